@@ -1,0 +1,194 @@
+"""Pure functions: settings -> the command that starts the ranks, rank -> its environment.
+
+Nothing here starts a process or reads the environment, so `--dry-run` and the tests see exactly what
+`launcher.spawn` will run. Three shapes of launch:
+
+- one rank on this machine: the worker runs directly, no Horovod launcher (hvd.init() gives size 1);
+- Gloo: `horovodrun --gloo -np N -H host:slots,...`, which starts the ranks (over ssh for other hosts)
+  and gives each its identity through HOROVOD_* variables;
+- MPI: `mpirun -np N -H host:slots,...` with `-x` for every variable the ranks need.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from launcher import env as ev
+from launcher.config import DistributedConfig
+
+LOCAL_HOST = "localhost"
+RENDEZVOUS_PLACEHOLDER = "<chosen by horovodrun at start>"
+_HOST_SLOTS = re.compile(r"^([A-Za-z0-9_.\-\[\]:]+?):(\d+)$")
+
+
+class HostsError(ValueError):
+    """A host list or hostfile cannot be used; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs and who it is among the others (the Horovod rank identity)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to start a run: the command, the variables added to its environment, and
+    the environment each rank will see (for --dry-run, logs and tests)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    slots: list[Slot]
+    rank_envs: list[dict[str, str]]
+
+
+def parse_hosts(hosts: str) -> list[tuple[str, int]]:
+    """`"a:2,b:4"` -> [("a", 2), ("b", 4)], as horovodrun -H reads it."""
+    result = []
+    for entry in (part.strip() for part in hosts.split(",")):
+        if not entry:
+            continue
+        match = _HOST_SLOTS.match(entry)
+        if not match or int(match.group(2)) < 1:
+            raise HostsError(f"distributed.hosts: {entry!r} is not host:slots with slots >= 1 (e.g. node1:4)")
+        result.append((match.group(1), int(match.group(2))))
+    if not result:
+        raise HostsError("distributed.hosts: empty host list; give host:slots,... (e.g. node1:4,node2:4)")
+    return result
+
+
+def parse_hostfile(text: str, name: str = "hostfile") -> list[tuple[str, int]]:
+    """Lines `host slots=N` (MPI style) or `host:N`; `#` starts a comment."""
+    hosts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        mpi_style = re.match(r"^(\S+)\s+slots\s*=\s*(\d+)$", line)
+        if mpi_style:
+            line = f"{mpi_style.group(1)}:{mpi_style.group(2)}"
+        elif ":" not in line and " " not in line:
+            line = f"{line}:1"
+        try:
+            hosts += parse_hosts(line)
+        except HostsError:
+            raise HostsError(f"{name}:{number}: {line!r} is not 'host slots=N' or 'host:N'") from None
+    if not hosts:
+        raise HostsError(f"{name}: no hosts in it")
+    return hosts
+
+
+def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[Slot]:
+    """Fills hosts in order, as horovodrun does: ranks 0..k-1 on the first host, and so on."""
+    capacity = sum(slots for _, slots in hosts)
+    if np > capacity:
+        listed = ",".join(f"{h}:{s}" for h, s in hosts)
+        raise HostsError(f"distributed.np: {np} ranks but the hosts ({listed}) offer {capacity} slots; "
+                         f"lower np or add slots")
+    placed: list[tuple[str, int]] = []  # (host, local_rank)
+    for host, slots in hosts:
+        for local_rank in range(slots):
+            if len(placed) < np:
+                placed.append((host, local_rank))
+    used_hosts = list(dict.fromkeys(host for host, _ in placed))
+    local_sizes = {host: sum(1 for h, _ in placed if h == host) for host in used_hosts}
+    slots_out = []
+    for rank, (host, local_rank) in enumerate(placed):
+        # Cross rank: this rank's index among the ranks with the same local rank (one per host).
+        peers = [h for h in used_hosts if local_sizes[h] > local_rank]
+        slots_out.append(Slot(rank=rank, host=host, local_rank=local_rank, local_size=local_sizes[host],
+                              cross_rank=peers.index(host), cross_size=len(peers)))
+    return slots_out
+
+
+def is_local_only(hosts: list[tuple[str, int]]) -> bool:
+    return all(host in (LOCAL_HOST, "127.0.0.1") for host, _ in hosts)
+
+
+def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str]) -> list[str]:
+    """The per-rank command. Each rank resolves the same recipe and overrides itself, so no rank
+    depends on a file the launcher wrote (other hosts may not share the run directory)."""
+    argv = [python, "-m", "launcher.worker", recipe_path, "--run-dir", run_dir]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv
+
+
+def rank_defaults(user_env: Mapping[str, str], host_cpus: int, ranks_on_host: int) -> dict[str, str]:
+    """Variables every rank gets unless the user set them: ranks sharing a host split its cores
+    (oversubscribed thread pools make 2 ranks on 2 cores several times slower), and quiet TF logs."""
+    threads = str(max(1, host_cpus // max(1, ranks_on_host)))
+    defaults = {
+        ev.TF_CPP_MIN_LOG_LEVEL: "1",
+        ev.TF_NUM_INTRAOP_THREADS: threads,
+        ev.TF_NUM_INTEROP_THREADS: "2",
+        ev.OMP_NUM_THREADS: threads,
+        ev.PYTHONUNBUFFERED: "1",
+    }
+    return {key: value for key, value in defaults.items() if key not in user_env}
+
+
+def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: list[str],
+                 user_env: Mapping[str, str], host_cpus: int, as_root: bool = False) -> LaunchSpec:
+    """The whole launch as data. `hosts` is already parsed (from -H, a hostfile, or localhost:np)."""
+    slots = assign_slots(hosts, dist.np)
+    ranks_on_first_host = slots[0].local_size
+    added = rank_defaults(user_env, host_cpus, ranks_on_first_host)
+    host_list = ",".join(f"{host}:{n}" for host, n in hosts)
+
+    if dist.np == 1 and is_local_only(hosts):
+        argv = list(worker)
+    elif dist.backend == "gloo":
+        argv = ["horovodrun", "--gloo", "-np", str(dist.np), "-H", host_list]
+        if dist.network_interface:
+            argv += ["--network-interfaces", dist.network_interface]
+        argv += worker
+    else:
+        argv = ["mpirun", "-np", str(dist.np), "-H", host_list, "-bind-to", "none", "-map-by", "slot"]
+        if as_root:
+            argv.append("--allow-run-as-root")  # containers often run as root; Open MPI refuses it otherwise
+        if dist.network_interface:
+            argv += ["-mca", "btl_tcp_if_include", dist.network_interface]
+        for key in sorted(added):
+            argv += ["-x", key]  # mpirun forwards only the variables named with -x
+        argv += worker
+
+    rank_envs = [rank_environment(slot, dist, added) for slot in slots]
+    return LaunchSpec(argv=argv, env=added, slots=slots, rank_envs=rank_envs)
+
+
+def rank_environment(slot: Slot, dist: DistributedConfig, added: Mapping[str, str]) -> dict[str, str]:
+    """What one rank finds in its environment beyond what it inherits: our defaults plus the rank
+    identity its launcher sets (none when a single rank runs without one)."""
+    env = dict(added)
+    if dist.np == 1 and slot.host in (LOCAL_HOST, "127.0.0.1"):
+        return env
+    if dist.backend == "gloo":
+        env.update({
+            ev.HOROVOD_HOSTNAME: slot.host,
+            ev.HOROVOD_RANK: str(slot.rank),
+            ev.HOROVOD_SIZE: str(dist.np),
+            ev.HOROVOD_LOCAL_RANK: str(slot.local_rank),
+            ev.HOROVOD_LOCAL_SIZE: str(slot.local_size),
+            ev.HOROVOD_CROSS_RANK: str(slot.cross_rank),
+            ev.HOROVOD_CROSS_SIZE: str(slot.cross_size),
+            ev.HOROVOD_CONTROLLER: "gloo",
+            ev.HOROVOD_CPU_OPERATIONS: "gloo",
+            ev.HOROVOD_GLOO_RENDEZVOUS_ADDR: RENDEZVOUS_PLACEHOLDER,
+            ev.HOROVOD_GLOO_RENDEZVOUS_PORT: RENDEZVOUS_PLACEHOLDER,
+        })
+    else:
+        env.update({
+            ev.OMPI_COMM_WORLD_RANK: str(slot.rank),
+            ev.OMPI_COMM_WORLD_SIZE: str(dist.np),
+            ev.OMPI_COMM_WORLD_LOCAL_RANK: str(slot.local_rank),
+            ev.OMPI_COMM_WORLD_LOCAL_SIZE: str(slot.local_size),
+        })
+    return env

@@ -1,0 +1,79 @@
+"""The task interface: what differs between ResNet-50 and 3D U-Net, and nothing else."""
+from __future__ import annotations
+
+import abc
+import math
+from typing import Iterator
+
+import tensorflow as tf
+
+from launcher.config import Recipe
+
+
+class Task(abc.ABC):
+    """A model, its inputs and its loss. The loop in `launcher.training` drives any task."""
+
+    #: How samples are stored in TFRecord files (see docs/data.md): `images` or `volumes`.
+    record_kind: str
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.model_cfg = recipe.model
+
+    @abc.abstractmethod
+    def build_model(self) -> "tf.keras.Model":
+        """The network, randomly initialised (rank 0's weights are broadcast to the others)."""
+
+    @abc.abstractmethod
+    def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        """Scalar float32 loss of one batch; `outputs` are the model's raw logits."""
+
+    @abc.abstractmethod
+    def label_spec(self, batch_size: int) -> tf.TensorSpec:
+        """Shape and dtype of one batch of labels."""
+
+    @abc.abstractmethod
+    def synthetic_batch(self, batch_size: int, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """One learnable random batch (labels depend on the inputs), made on the current device."""
+
+    def input_spec(self, batch_size: int) -> tf.TensorSpec:
+        return tf.TensorSpec([batch_size, *self.model_cfg.input_shape], tf.float32, name="inputs")
+
+    def voxels_per_sample(self) -> int | None:
+        """For volumetric tasks, voxels in one sample (reported as voxels/s); None for images."""
+        return None
+
+    def batches(self, batch_size: int, rank: int, size: int, device: str) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
+        """Training batches for this rank, forever."""
+        data = self.recipe.data
+        seed = self.recipe.train.seed + rank  # every rank sees different samples
+        if data.source == "synthetic":
+            # Made once, on the device: the loop then measures the model, not an input pipeline.
+            with tf.device(device):
+                batch = self.synthetic_batch(batch_size, seed)
+            while True:
+                yield batch
+        from launcher.data.tfrecord import read_dataset
+
+        dataset = read_dataset(
+            data.path, kind=self.record_kind, input_shape=self.model_cfg.input_shape,
+            classes=self.model_cfg.classes, batch_size=batch_size, rank=rank, size=size, seed=seed,
+            shuffle_buffer=data.shuffle_buffer, prefetch=data.prefetch,
+        )
+        yield from iter(dataset)
+
+
+def smooth_noise(shape: list[int], seed: int, passes: int = 2) -> tf.Tensor:
+    """Random values in [0, 1) blurred a little, so labels thresholded from them form blobs a
+    convolutional net can learn (pure noise labels would only be memorised)."""
+    values = tf.random.stateless_uniform(shape, seed=[seed, 0])
+    rank = len(shape)
+    pool = tf.nn.avg_pool2d if rank == 4 else tf.nn.avg_pool3d
+    for _ in range(passes):
+        values = pool(values, ksize=3, strides=1, padding="SAME")
+    lo, hi = tf.reduce_min(values), tf.reduce_max(values)
+    return (values - lo) / tf.maximum(hi - lo, 1e-6)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return int(math.ceil(a / b))

@@ -1,0 +1,36 @@
+"""ResNet-50 image classification (He et al. 2016), the ISMM 2019 paper's batch-size benchmark."""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from launcher.tasks.base import Task, smooth_noise
+
+
+class ResNet50Task(Task):
+    record_kind = "images"
+
+    def build_model(self) -> keras.Model:
+        # weights=None builds offline; logits come out (no softmax) so the loss is computed in
+        # float32 from logits, which is stable under mixed precision.
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=tuple(self.model_cfg.input_shape),
+            classes=self.model_cfg.classes, classifier_activation=None,
+        )
+        return model
+
+    def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        outputs = tf.cast(outputs, tf.float32)
+        per_sample = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
+        return tf.reduce_mean(per_sample)
+
+    def label_spec(self, batch_size: int) -> tf.TensorSpec:
+        return tf.TensorSpec([batch_size], tf.int32, name="labels")
+
+    def synthetic_batch(self, batch_size: int, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
+        images = smooth_noise([batch_size, *self.model_cfg.input_shape], seed)
+        # The class is the image's mean brightness, binned: a function of the input, so learnable.
+        brightness = tf.reduce_mean(images, axis=[1, 2, 3])
+        ranks = tf.argsort(tf.argsort(brightness))  # spread samples evenly over the classes
+        labels = tf.cast(ranks * self.model_cfg.classes // batch_size, tf.int32)
+        return images, labels

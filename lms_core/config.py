@@ -1,0 +1,77 @@
+"""Typed LMS settings: the `lms:` section of a recipe.
+
+The names follow IBM TFLMS v2 (`swapout_threshold`, `swapin_ahead`, `swapin_groupby`, `sync_mode`),
+because that is the vocabulary users of LMS already know. Distances are in *levels* of the
+categorized topological order (Le et al., ISMM 2019), not in ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SettingError(ValueError):
+    """A setting has a bad value. `key` is the field name inside its section (the recipe loader
+    prefixes the section path, e.g. `lms.swapout_threshold`); `rule` says what a valid value is."""
+
+    def __init__(self, key: str, rule: str):
+        super().__init__(f"{key}: {rule}")
+        self.key = key
+        self.rule = rule
+
+
+SYNC_MODES = {
+    0: "asynchronous: nothing waits for a copy except the consumer of a swap-in",
+    1: "synchronous swap-out: forward ops after the source wait until its swap-out has finished",
+    2: "synchronous swap-in: the trigger's successors wait until the swap-in has arrived",
+    3: "both synchronous swap-out and synchronous swap-in",
+}
+
+
+@dataclass
+class LMSConfig:
+    """Large Model Support: which activations are parked in host memory and when they come back."""
+
+    enabled: bool = False
+    """Rewrite each rank's training step so long-lived activations are swapped to host memory."""
+
+    swapout_threshold: int = 8
+    """Swap a forward tensor out only for backward consumers at least this many levels after its
+    producer. Smaller swaps more tensors (more memory saved, more traffic). Must be >= 1."""
+
+    swapin_ahead: int = 2
+    """The swap-in of a tensor starts when the op this many levels before its consumer has run, so
+    the copy overlaps with compute. 0 starts it as late as possible. Must be >= 0."""
+
+    swapin_groupby: int = 0
+    """Backward consumers of one tensor whose levels lie within this distance share one swap-in
+    (fewer copies, longer residency). 0 gives every consumer level its own swap-in. Must be >= 0."""
+
+    sync_mode: int = 0
+    """0 asynchronous, 1 synchronous swap-out, 2 synchronous swap-in, 3 both (TFLMS v2 semantics)."""
+
+    min_tensor_bytes: int = 1 << 20
+    """Tensors smaller than this many bytes are never swapped: their copy costs more than it saves."""
+
+    include_scopes: list[str] = field(default_factory=list)
+    """Only tensors whose producer's name starts with one of these scopes are swapped (empty: all)."""
+
+    exclude_scopes: list[str] = field(default_factory=list)
+    """Tensors whose producer's name starts with one of these scopes are never swapped."""
+
+    include_types: list[str] = field(default_factory=list)
+    """Only tensors produced by these op types (e.g. `Relu`, `Conv2D`) are swapped (empty: all)."""
+
+    exclude_types: list[str] = field(default_factory=list)
+    """Tensors produced by these op types are never swapped."""
+
+    def __post_init__(self) -> None:
+        if self.swapout_threshold < 1:
+            raise SettingError("swapout_threshold", f"must be >= 1 level, got {self.swapout_threshold}")
+        if self.swapin_ahead < 0:
+            raise SettingError("swapin_ahead", f"must be >= 0 levels, got {self.swapin_ahead}")
+        if self.swapin_groupby < 0:
+            raise SettingError("swapin_groupby", f"must be >= 0 levels, got {self.swapin_groupby}")
+        if self.sync_mode not in SYNC_MODES:
+            raise SettingError("sync_mode", f"must be one of 0, 1, 2, 3, got {self.sync_mode}")
+        if self.min_tensor_bytes < 0:
+            raise SettingError("min_tensor_bytes", f"must be >= 0, got {self.min_tensor_bytes}")

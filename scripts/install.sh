@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Installs everything lms-launch needs into .venv/ at the repository root, and only what is missing:
+# running it twice does no work the second time. The README's two commands, CI and both Docker images
+# run this same script, so "it works on a fresh machine" is tested on every CI run.
+#
+# Environment knobs:
+#   LMS_LAUNCH_GPU=1|0     force the CUDA build of TensorFlow (and NCCL in Horovod) on or off;
+#                          default: on when nvidia-smi lists a GPU.
+#   LMS_LAUNCH_PYTHON=...  the interpreter that creates the venv (default: python3.11, else python3).
+#   LMS_LAUNCH_WHEELS=...  where the locally built Horovod wheel is cached
+#                          (default: ~/.cache/lms-launch/wheels).
+set -euo pipefail
+
+# Versions are pinned on purpose: Horovod 0.28.1 is the last Horovod release and it does not build
+# against TensorFlow 2.19 or newer (xla_builder.h moved, highwayhash include path changed).
+TF_VERSION=2.18.1
+HOROVOD_VERSION=0.28.1
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$repo_root/.venv"
+wheel_cache=${LMS_LAUNCH_WHEELS:-$HOME/.cache/lms-launch/wheels}
+
+say() { printf '[install] %s\n' "$*" >&2; }
+
+# --- system packages ------------------------------------------------------------------------------
+apt_missing=()
+for pkg in cmake g++ make libopenmpi-dev openmpi-bin; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing+=("$pkg")
+done
+if ((${#apt_missing[@]})); then
+  if command -v apt-get >/dev/null 2>&1; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    say "apt-get install ${apt_missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+  else
+    say "no apt-get here; please install: ${apt_missing[*]}"
+  fi
+fi
+
+# --- Python environment ---------------------------------------------------------------------------
+python_bin=${LMS_LAUNCH_PYTHON:-}
+if [ -z "$python_bin" ]; then
+  python_bin=$(command -v python3.11 || command -v python3)
+fi
+if ! "$venv/bin/python" -c 'import sys' >/dev/null 2>&1; then
+  say "creating $venv with $python_bin"
+  "$python_bin" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+fi
+py="$venv/bin/python"
+pip=("$py" -m pip install -q --disable-pip-version-check)
+
+installed_version() { # prints the installed version of a distribution, or nothing
+  "$py" - "$1" <<'PY'
+import sys
+from importlib import metadata
+try:
+    print(metadata.version(sys.argv[1]))
+except metadata.PackageNotFoundError:
+    pass
+PY
+}
+
+# --- TensorFlow -----------------------------------------------------------------------------------
+want_gpu=${LMS_LAUNCH_GPU:-}
+if [ -z "$want_gpu" ]; then
+  want_gpu=0
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then want_gpu=1; fi
+fi
+if [ "$want_gpu" = 1 ]; then tf_dist=tensorflow; tf_spec="tensorflow[and-cuda]==$TF_VERSION"
+else tf_dist=tensorflow-cpu; tf_spec="tensorflow-cpu==$TF_VERSION"; fi
+if [ "$(installed_version "$tf_dist")" != "$TF_VERSION" ]; then
+  say "pip install $tf_spec (a few minutes on first install)"
+  "${pip[@]}" "$tf_spec"
+fi
+
+# --- Horovod, built from source against that TensorFlow ----------------------------------------------
+# The variant names what the wheel was compiled with, so a CPU wheel is never reused for a GPU build.
+have_mpi=0
+command -v mpicxx >/dev/null 2>&1 && have_mpi=1
+variant="tf$TF_VERSION-gpu$want_gpu-mpi$have_mpi"
+hvd_build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1)
+[ "$have_mpi" = 1 ] && hvd_build_env+=(HOROVOD_WITH_MPI=1) || hvd_build_env+=(HOROVOD_WITHOUT_MPI=1)
+[ "$want_gpu" = 1 ] && hvd_build_env+=(HOROVOD_GPU_OPERATIONS=NCCL)
+if [ "$(installed_version horovod)" != "$HOROVOD_VERSION" ] || \
+   ! "$py" -c 'import horovod.tensorflow' >/dev/null 2>&1; then
+  mkdir -p "$wheel_cache/$variant"
+  if ! ls "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1; then
+    say "building Horovod $HOROVOD_VERSION from source ($variant; about 3-5 minutes on 2 cores)"
+    # Horovod's setup.py imports TensorFlow to find its headers: no build isolation.
+    "${pip[@]}" cmake packaging cffi psutil cloudpickle pyyaml
+    env "${hvd_build_env[@]}" MAKEFLAGS="-j$(nproc)" "$py" -m pip wheel -q --no-deps \
+      --no-build-isolation --no-binary horovod "horovod==$HOROVOD_VERSION" -w "$wheel_cache/$variant"
+  fi
+  "${pip[@]}" "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl
+fi
+
+# --- lms-launch itself (editable) ----------------------------------------------------------------------
+stamp="$venv/.lms-launch-install"
+want_stamp="$(sha256sum "$repo_root/pyproject.toml" | cut -d' ' -f1) gpu=$want_gpu"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want_stamp" ]; then
+  say "pip install -e $repo_root[dev]"
+  "${pip[@]}" -e "$repo_root[dev]"
+  echo "$want_stamp" >"$stamp"
+fi
+say "ready: $("$venv/bin/horovodrun" --version 2>/dev/null | tail -n1 | sed 's/^/horovod /') tensorflow $(installed_version "$tf_dist")"

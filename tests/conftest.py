@@ -1,0 +1,27 @@
+"""Shared fixtures. Tests run with the repository's .venv (scripts/install.sh builds it)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    """Writes a recipe with the given YAML text and returns its path."""
+
+    def write(text: str, name: str = "recipe.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def lms_launch_argv(*args: str) -> list[str]:
+    """`lms-launch ...` as a subprocess, through the same interpreter the tests run in."""
+    return [sys.executable, "-m", "launcher.cli", *args]

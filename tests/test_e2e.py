@@ -1,0 +1,96 @@
+"""End to end: real ranks started by `lms-launch`, real Horovod, real training on the CPU.
+
+Each run is shrunk with --set so the file takes about a minute; the recipes themselves are the ones
+users run. What must hold: exit 0, identical weights on every rank after training, a loss that went
+down, metrics from every rank, and totals that are the sums of the ranks' figures.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import RECIPES, lms_launch_argv
+
+pytestmark = pytest.mark.e2e
+
+TINY_RESNET = ["--set", "model.input_shape=[32,32,3]", "--set", "train.batch_size=4", "--set", "train.steps=10",
+               "--set", "train.learning_rate=0.001", "--set", "logging.interval=2"]
+TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.depth=2", "--set", "model.base_filters=4",
+             "--set", "train.steps=10", "--set", "logging.interval=2"]
+
+
+def launch(recipe: str, run_dir, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    argv = lms_launch_argv(str(RECIPES / recipe), "--run-dir", str(run_dir), "--no-progress", *args)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def read_run(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return records, summary
+
+
+def check_trained_in_sync(records, summary, ranks: int) -> None:
+    assert summary["np"] == ranks
+    assert sorted({r["rank"] for r in records}) == list(range(ranks))
+    assert all(r["samples_per_sec"] > 0 and r["peak_memory_bytes"] > 0 for r in records)
+    per_rank = summary["ranks"]
+    assert [r["rank"] for r in per_rank] == list(range(ranks))
+    assert len({r["weights_sha256"] for r in per_rank}) == 1, "replicas diverged"
+    assert summary["weights_in_sync"] is True
+    assert summary["total_samples_per_sec"] == pytest.approx(sum(r["samples_per_sec"] for r in per_rank))
+    assert summary["total_peak_memory_bytes"] == sum(r["peak_memory_bytes"] for r in per_rank)
+    for rank in per_rank:
+        assert rank["final_loss"] < rank["initial_loss"], f"loss did not decrease on rank {rank['rank']}"
+        assert rank["peak_memory_bytes"] > 0 and rank["host_rss_bytes"] > 0
+
+
+def test_resnet50_two_gloo_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("resnet50-cpu.yaml", run_dir, "--np", "2", *TINY_RESNET)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, summary = read_run(run_dir)
+    check_trained_in_sync(records, summary, ranks=2)
+    # logging.skip_steps=2, interval 2, 10 steps: intervals end at steps 4, 6, 8, 10 on each rank.
+    assert sorted(r["step"] for r in records if r["rank"] == 1) == [4, 6, 8, 10]
+    assert "weights identical on all ranks: yes" in done.stdout
+    resolved = (run_dir / "recipe.yaml").read_text()
+    assert "input_shape:\n  - 32\n  - 32\n  - 3" in resolved  # the resolved recipe, overrides applied
+    assert list((run_dir / "tensorboard").glob("rank1/events.out.tfevents.*"))
+
+
+def test_unet3d_two_gloo_ranks_reports_voxels(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, summary = read_run(run_dir)
+    check_trained_in_sync(records, summary, ranks=2)
+    assert all(r["voxels_per_sec"] == pytest.approx(r["samples_per_sec"] * 16**3) for r in records)
+    assert summary["total_voxels_per_sec"] == pytest.approx(summary["total_samples_per_sec"] * 16**3)
+
+
+def test_unet3d_two_mpi_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", "--backend", "mpi", *TINY_UNET)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check_trained_in_sync(*read_run(run_dir), ranks=2)
+
+
+def test_one_rank_runs_without_a_launcher(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "1", *TINY_UNET)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, summary = read_run(run_dir)
+    check_trained_in_sync(records, summary, ranks=1)
+    assert "[0]<stdout>" not in done.stdout  # horovodrun prefixes rank output; a direct run does not
+
+
+def test_a_failing_rank_makes_the_launch_fail(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET, "--set", "data.source=tfrecord",
+                  "--set", f"data.path={tmp_path / 'no-such-files'}")
+    assert done.returncode not in (0, 2)
+    assert "a rank failed" in done.stderr
+    assert not (run_dir / "summary.json").exists()

@@ -1,0 +1,129 @@
+"""Recipe loading is strict: every shipped recipe validates, and every kind of mistake names its key."""
+from __future__ import annotations
+
+import pytest
+
+from launcher.config import Recipe
+from launcher.recipe import RecipeError, load_recipe, parse_override, recipe_from_dict
+from tests.conftest import RECIPES
+
+SHIPPED = sorted(RECIPES.glob("*.yaml"))
+
+
+def test_the_project_ships_the_paper_and_cpu_recipes():
+    assert {p.name for p in SHIPPED} >= {"resnet50.yaml", "unet3d.yaml", "resnet50-cpu.yaml", "unet3d-cpu.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    assert recipe.model.name in ("resnet50", "unet3d")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("override, key", [
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.steps=-3", "train.steps"),
+    ("model.name=vgg16", "model.name"),
+    ("lms.swapout_threshold=0", "lms.swapout_threshold"),
+    ("lms.sync_mode=9", "lms.sync_mode"),
+    ("distributed.backend=nccl", "distributed.backend"),
+    ("train.batch_sise=4", "train.batch_sise"),
+    ("model.input_shape=[64]", "model.input_shape"),
+])
+def test_a_broken_field_in_every_recipe_fails_with_its_key_path(path, override, key):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, [override])
+    assert key in str(err.value)
+
+
+def test_the_paper_recipes_match_the_papers():
+    resnet = load_recipe(RECIPES / "resnet50.yaml")
+    assert resnet.model.input_shape == [224, 224, 3] and resnet.model.classes == 1000
+    assert resnet.train.optimizer == "sgd" and resnet.train.momentum == 0.9 and resnet.train.warmup_steps > 0
+    assert resnet.train.scale_lr_by_ranks
+    unet = load_recipe(RECIPES / "unet3d.yaml")
+    assert unet.model.input_shape == [192, 192, 192, 4]
+    assert unet.data.source == "synthetic" and resnet.data.source == "synthetic"
+
+
+def test_unknown_key_suggests_the_closest_valid_one(recipe_file):
+    path = recipe_file("train:\n  batchsize: 8\n")
+    with pytest.raises(RecipeError, match=r"unknown key 'train\.batchsize'; did you mean 'train\.batch_size'\?"):
+        load_recipe(path)
+
+
+def test_unknown_section_is_named(recipe_file):
+    with pytest.raises(RecipeError, match=r"unknown key 'optimiser'"):
+        load_recipe(recipe_file("optimiser:\n  name: sgd\n"))
+
+
+def test_yaml_syntax_error_shows_the_line(recipe_file):
+    path = recipe_file("model:\n  name: resnet50\ntrain:\n  batch_size: [8\n  steps: 3\n")
+    with pytest.raises(RecipeError, match=r"recipe\.yaml:\d+:\d+: YAML syntax error"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  steps: ten\n", "train.steps: expected an integer, got str 'ten'"),
+    ("train:\n  batch_size: 8.5\n", "train.batch_size: expected an integer"),
+    ("lms:\n  enabled: 1\n", "lms.enabled: expected true or false"),
+    ("model: resnet50\n", "model: expected a mapping of keys"),
+    ("model:\n  input_shape: 224\n", "model.input_shape: expected a list"),
+    ("model:\n  input_shape: [224, x, 3]\n", "model.input_shape[1]: expected an integer"),
+    ("data:\n  source: tfrecord\n", "data.path: is required when data.source is tfrecord"),
+    ("model:\n  name: unet3d\n  input_shape: [30, 32, 32, 4]\n  depth: 3\n", "divisible by 2^(depth-1) = 4"),
+    ("distributed:\n  hosts: a:1\n  hostfile: h.txt\n", "distributed.hosts: give hosts or hostfile, not both"),
+    ("train:\n  steps: 3\nlogging:\n  skip_steps: 3\n", "logging.skip_steps: must be below train.steps"),
+])
+def test_wrong_types_and_values_name_the_key_and_the_rule(recipe_file, text, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe_file(text))
+    assert message in str(err.value)
+
+
+def test_precedence_defaults_then_recipe_then_command_line(recipe_file):
+    path = recipe_file("train:\n  batch_size: 16\n  steps: 50\n")
+    recipe = load_recipe(path, ["train.steps=7", "lms.enabled=true"])
+    assert recipe.train.batch_size == 16  # from the recipe
+    assert recipe.train.steps == 7  # the command line wins over the recipe
+    assert recipe.lms.enabled is True  # a section the recipe did not have
+    assert recipe.train.momentum == 0.9  # default
+
+
+def test_later_overrides_win(recipe_file):
+    recipe = load_recipe(recipe_file(""), ["distributed.np=2", "distributed.np=4"])
+    assert recipe.distributed.np == 4
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("train.batch_size=64", ("train.batch_size", 64)),
+    ("lms.enabled=true", ("lms.enabled", True)),
+    ("model.input_shape=[32, 32, 3]", ("model.input_shape", [32, 32, 3])),
+    ("distributed.hosts=a:2,b:2", ("distributed.hosts", "a:2,b:2")),
+])
+def test_override_values_are_parsed_as_yaml(item, expected):
+    assert parse_override(item) == expected
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(RecipeError, match="expected key.path=value"):
+        parse_override("train.batch_size")
+
+
+def test_override_below_a_value_is_an_error(recipe_file):
+    with pytest.raises(RecipeError, match="train.steps is a value, not a section"):
+        load_recipe(recipe_file("train:\n  steps: 4\n"), ["train.steps.x=1"])
+
+
+def test_exponent_without_dot_is_a_number_where_a_float_is_expected(recipe_file):
+    # YAML 1.1 (PyYAML) reads 1e-3 as a string; users mean the number.
+    recipe = load_recipe(recipe_file("train:\n  learning_rate: 1e-3\n"), ["train.momentum=5e-1"])
+    assert recipe.train.learning_rate == pytest.approx(1e-3)
+    assert recipe.train.momentum == pytest.approx(0.5)
+
+
+def test_ints_are_accepted_for_floats():
+    recipe = recipe_from_dict({"train": {"learning_rate": 1}})
+    assert recipe.train.learning_rate == 1.0 and isinstance(recipe.train.learning_rate, float)

@@ -32,11 +32,30 @@ class RankContext:
 
 
 @dataclass
-class TrainingResult:
-    records: list[IntervalRecord]
-    initial_loss: float
-    final_loss: float
-    weights_sha256: str
+class TrainingSetup:
+    """Everything a rank trains with; built the same way by the worker and by `lms-launch plan`."""
+
+    task: Task
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    step: Callable
+    specs: tuple  # (inputs, labels) TensorSpecs of one batch
+
+
+def build_training(recipe: Recipe, ranks: int, device: str) -> TrainingSetup:
+    """Model, optimizer (with its slots built, so they can be broadcast) and the traced-to-be step."""
+    from launcher.tasks import build_task
+
+    keras.utils.set_random_seed(recipe.train.seed)  # the same initial weights on every rank
+    keras.mixed_precision.set_global_policy(recipe.train.precision)
+    task = build_task(recipe)
+    with tf.device(device):
+        model = task.build_model()
+        optimizer = build_optimizer(recipe.train, ranks)
+        optimizer.build(model.trainable_variables)
+    step = make_train_step(model, optimizer, task, ranks)
+    batch = recipe.train.batch_size
+    return TrainingSetup(task, model, optimizer, step, (task.input_spec(batch), task.label_spec(batch)))
 
 
 def build_optimizer(train: TrainConfig, ranks: int) -> keras.optimizers.Optimizer:

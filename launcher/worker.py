@@ -54,13 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import horovod.tensorflow as hvd
-    import keras
     import tensorflow as tf
 
     from launcher import metrics, training
     from launcher.lms_step import prepare_step
     from launcher.recipe import recipe_to_dict
-    from launcher.tasks import build_task
 
     hvd.init()
     ctx = training.RankContext(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
@@ -73,22 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     is_root = ctx.rank == 0
 
-    keras.utils.set_random_seed(recipe.train.seed)  # the same initial weights everywhere, before broadcast
-    if recipe.train.precision == "mixed_float16":
-        keras.mixed_precision.set_global_policy("mixed_float16")
-    task = build_task(recipe)
-    batch = recipe.train.batch_size
-    with tf.device(ctx.device):
-        model = task.build_model()
-        optimizer = training.build_optimizer(recipe.train, ctx.size)
-        optimizer.build(model.trainable_variables)
+    setup = training.build_training(recipe, ctx.size, ctx.device)
     if ctx.size > 1:
-        training.broadcast_from_rank0(list(model.variables) + list(optimizer.variables))
-
-    step = training.make_train_step(model, optimizer, task, ctx.size)
-    specs = (task.input_spec(batch), task.label_spec(batch))
-    # The one place the traced step is handed to LMS (a no-op when lms.enabled is false).
-    step = prepare_step(step, specs, recipe.lms, ctx, run_dir, log=print if is_root else None)
+        training.broadcast_from_rank0(list(setup.model.variables) + list(setup.optimizer.variables))
+    # The one place the traced step is handed to LMS (it comes back unchanged when lms.enabled is false).
+    step = prepare_step(setup.step, setup.specs, recipe.lms, ctx, run_dir, log=print if is_root else None)
 
     sinks: list = []
     if is_root:
@@ -101,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         everyone = [r for part in hvd.allgather_object(records) for r in part] if ctx.size > 1 else records
         logger.write(everyone)
 
+    batch = recipe.train.batch_size
+    model, task = setup.model, setup.task
     batches = task.batches(batch, ctx.rank, ctx.size, ctx.device)
     with tf.device(ctx.device):
-        records, initial_loss, final_loss = training.train(step, batches, recipe, ctx, task, optimizer, on_interval)
+        records, initial_loss, final_loss = training.train(step, batches, recipe, ctx, task, setup.optimizer,
+                                                           on_interval)
 
     # Batch-norm statistics were updated from each rank's own batches: average them so every rank
     # ends with the same model, then fingerprint it.

@@ -89,9 +89,11 @@ if [ "$(installed_version horovod)" != "$HOROVOD_VERSION" ] || \
   mkdir -p "$wheel_cache/$variant"
   if ! ls "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1; then
     say "building Horovod $HOROVOD_VERSION from source ($variant; about 3-5 minutes on 2 cores)"
-    # Horovod's setup.py imports TensorFlow to find its headers: no build isolation.
+    # Horovod's setup.py imports TensorFlow to find its headers: no build isolation. --no-cache-dir:
+    # pip's own wheel cache is keyed by the sdist alone and would hand a CPU build to a GPU install;
+    # the variant-keyed cache above is the one that may reuse a build.
     "${pip[@]}" cmake packaging cffi psutil cloudpickle pyyaml
-    env "${hvd_build_env[@]}" MAKEFLAGS="-j$(nproc)" "$py" -m pip wheel -q --no-deps \
+    env "${hvd_build_env[@]}" MAKEFLAGS="-j$(nproc)" "$py" -m pip wheel -q --no-deps --no-cache-dir \
       --no-build-isolation --no-binary horovod "horovod==$HOROVOD_VERSION" -w "$wheel_cache/$variant"
   fi
   "${pip[@]}" "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl

@@ -1,10 +1,15 @@
 """Shared fixtures. Tests run with the repository's .venv (scripts/install.sh builds it)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# As in launcher.worker: CPU allocator statistics (peak memory) exist only with the BFC allocator,
+# and TensorFlow reads this once, when the first test imports it.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"

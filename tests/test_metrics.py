@@ -62,3 +62,17 @@ def test_jsonl_sink_writes_one_object_per_record(tmp_path):
 @pytest.mark.parametrize("n, text", [(512, "512 B"), (1536, "1.50 KiB"), (5 * 2**30, "5.00 GiB"), (None, "-")])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_cpu_peak_memory_is_real_and_reset_each_interval():
+    import tensorflow as tf  # tests/conftest.py set TF_CPU_ALLOCATOR_USE_BFC=true before this
+
+    from launcher.metrics import DeviceMemoryMonitor
+
+    monitor = DeviceMemoryMonitor("CPU:0")
+    block = tf.ones([16, 1024, 1024])  # 64 MiB
+    float(tf.reduce_sum(block))
+    assert monitor.peak_bytes() >= 64 * 2**20
+    del block
+    monitor.reset()
+    assert monitor.peak_bytes() < 64 * 2**20

@@ -1,0 +1,32 @@
+"""GPU code paths: run where TensorFlow sees an NVIDIA GPU, skipped elsewhere (CI has none)."""
+from __future__ import annotations
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="no GPU visible to TensorFlow")]
+
+
+def test_a_rank_is_pinned_to_one_gpu_with_memory_growth():
+    from launcher.worker import pin_device
+
+    gpus = tf.config.list_physical_devices("GPU")
+    assert pin_device(local_rank=len(gpus) + 1) == "GPU:0"  # wraps around when ranks outnumber GPUs
+    visible = tf.config.get_visible_devices("GPU")
+    assert len(visible) == 1 and visible[0] == gpus[(len(gpus) + 1) % len(gpus)]
+    assert tf.config.experimental.get_memory_growth(visible[0]) is True
+
+
+def test_gpu_peak_memory_is_measured_and_reset():
+    from launcher.metrics import DeviceMemoryMonitor
+
+    monitor = DeviceMemoryMonitor("GPU:0")
+    with tf.device("GPU:0"):
+        block = tf.ones([64, 1024, 1024])  # 256 MiB
+        float(tf.reduce_sum(block))
+    assert monitor.peak_bytes() >= 256 * 2**20
+    del block
+    monitor.reset()
+    assert monitor.peak_bytes() < 256 * 2**20

@@ -35,6 +35,7 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # subcommands that load TensorFlow: no INFO noise
     try:
         if argv and argv[0] == "plan":
             from launcher.plan_command import main as plan_main

@@ -1,0 +1,1 @@
+"""Training inputs stored as TFRecord files: the schema, a reader per rank, and a writer."""

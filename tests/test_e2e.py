@@ -94,3 +94,16 @@ def test_a_failing_rank_makes_the_launch_fail(tmp_path):
     assert done.returncode not in (0, 2)
     assert "a rank failed" in done.stderr
     assert not (run_dir / "summary.json").exists()
+
+
+def test_unet3d_two_ranks_on_tfrecord_files(tmp_path):
+    data = tmp_path / "data"
+    written = subprocess.run(lms_launch_argv("tfrecord", "--kind", "volumes", "--out", str(data), "--synthetic", "8",
+                                             "--shape", "16,16,16,4", "--classes", "4", "--shards", "2"),
+                             capture_output=True, text=True)
+    assert written.returncode == 0, written.stderr
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET, "--set", "data.source=tfrecord",
+                  "--set", f"data.path={data}", "--set", "data.shuffle_buffer=8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    check_trained_in_sync(*read_run(run_dir), ranks=2)

@@ -1,0 +1,116 @@
+"""A framework-neutral graph IR of one training step: ops, the tensors they produce, and the edges.
+
+Tensors are named as TensorFlow names them, `op_name:index`. Analyses (categories, levels) are written
+onto ops by passes (lms_core.passes) and read by the planner; the IR itself knows nothing of either.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+# Categories written by lms_core.passes.categorize.
+FORWARD = "forward"
+BACKWARD = "backward"
+UPDATE = "update"
+OTHER = "other"  # inputs, constants, variable handles, and ops that belong to no pass
+
+
+@dataclass
+class TensorInfo:
+    """One output of an op. `shape` has None for unknown dimensions; `nbytes` is None when any
+    dimension or the element size is unknown."""
+
+    shape: tuple[int | None, ...] | None
+    dtype: str
+    nbytes: int | None
+
+
+@dataclass
+class Op:
+    name: str
+    type: str
+    device: str = ""
+    inputs: list[str] = field(default_factory=list)  # data inputs, as "op:index"
+    control_inputs: list[str] = field(default_factory=list)  # op names
+    outputs: list[TensorInfo] = field(default_factory=list)
+    # Written by passes:
+    category: str | None = None
+    level: int | None = None
+
+
+def tensor_name(op: str, index: int) -> str:
+    return f"{op}:{index}"
+
+
+def split_tensor(name: str) -> tuple[str, int]:
+    op, _, index = name.rpartition(":")
+    return op, int(index)
+
+
+class Graph:
+    """Ops in a topological order, with consumer maps built once."""
+
+    def __init__(self, ops: Iterable[Op], outputs: list[str]):
+        self.ops: dict[str, Op] = {op.name: op for op in ops}
+        self.outputs = list(outputs)  # the step's fetched tensors (the loss, ...)
+        self._data_consumers: dict[str, list[tuple[str, int]]] = {}  # tensor -> [(consumer op, input slot)]
+        self._control_consumers: dict[str, list[str]] = {}
+        for op in self.ops.values():
+            for slot, tensor in enumerate(op.inputs):
+                self._data_consumers.setdefault(tensor, []).append((op.name, slot))
+            for source in op.control_inputs:
+                self._control_consumers.setdefault(source, []).append(op.name)
+        self.order = self._topological_order()
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __getitem__(self, name: str) -> Op:
+        return self.ops[name]
+
+    def consumers(self, tensor: str) -> list[tuple[str, int]]:
+        return self._data_consumers.get(tensor, [])
+
+    def control_consumers(self, op: str) -> list[str]:
+        return self._control_consumers.get(op, [])
+
+    def predecessors(self, op: Op) -> Iterator[str]:
+        for tensor in op.inputs:
+            yield split_tensor(tensor)[0]
+        yield from op.control_inputs
+
+    def successors(self, name: str) -> Iterator[str]:
+        op = self.ops[name]
+        for index in range(len(op.outputs)):
+            for consumer, _ in self.consumers(tensor_name(name, index)):
+                yield consumer
+        yield from self.control_consumers(name)
+
+    def tensor(self, name: str) -> TensorInfo:
+        op, index = split_tensor(name)
+        return self.ops[op].outputs[index]
+
+    def _topological_order(self) -> list[str]:
+        """Kahn's algorithm, ties broken by the order ops were given (stable and deterministic)."""
+        indegree = {name: 0 for name in self.ops}
+        for op in self.ops.values():
+            for pred in self.predecessors(op):
+                if pred in self.ops:
+                    indegree[op.name] += 1
+        position = {name: i for i, name in enumerate(self.ops)}
+        import heapq
+
+        ready = [(position[n], n) for n, d in indegree.items() if d == 0]
+        heapq.heapify(ready)
+        order = []
+        while ready:
+            _, name = heapq.heappop(ready)
+            order.append(name)
+            for succ in self.successors(name):
+                indegree[succ] -= 1
+                if indegree[succ] == 0:
+                    heapq.heappush(ready, (position[succ], succ))
+        if len(order) != len(self.ops):
+            stuck = sorted(n for n, d in indegree.items() if d > 0)[:5]
+            raise ValueError(f"the graph has a cycle (ops never ready: {', '.join(stuck)}, ...)")
+        return order

@@ -1,0 +1,71 @@
+"""A swap plan: plain data, deterministic for the same graph and settings, JSON-serializable."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SwapIn:
+    name: str  # the swap-in op added on the compute device
+    trigger: str  # the op whose completion lets the copy back start
+    trigger_level: int
+    consumers: list[str]  # backward ops rerouted to read the swap-in
+    consumer_levels: list[int]
+    waiters: list[str] = field(default_factory=list)  # sync_mode 2/3: ops held until the swap-in arrives
+
+
+@dataclass
+class Swap:
+    tensor: str  # "op:index"
+    producer_type: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    producer_level: int
+    swap_out: str  # the swap-out op added on the host device
+    swap_ins: list[SwapIn]
+    waiters: list[str] = field(default_factory=list)  # sync_mode 1/3: forward ops held until the swap-out is done
+
+
+@dataclass
+class Skip:
+    tensor: str
+    nbytes: int | None
+    reason: str
+
+
+@dataclass
+class Plan:
+    settings: dict[str, Any]
+    swaps: list[Swap] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)  # tensors that would qualify but cannot be swapped
+    skipped_small: int = 0  # distant tensors under lms.min_tensor_bytes (counted, not listed)
+    ops: int = 0
+    levels: int = 0
+    # Filled by the TensorFlow layer when it estimates memory (lms_core.tf.estimate):
+    estimated_peak_bytes: dict[str, int | None] = field(default_factory=dict)  # "baseline", "lms"
+    estimated_host_bytes: int | None = None
+    device_memory_bytes: int | None = None
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(s.nbytes for s in self.swaps)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["swapped_bytes"] = self.swapped_bytes
+        data["swap_count"] = len(self.swaps)
+        return data
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def summary(self) -> str:
+        if not self.swaps:
+            return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
+                    f"see 'skipped' for the reasons)")
+        swap_ins = sum(len(s.swap_ins) for s in self.swaps)
+        return (f"LMS plan: {len(self.swaps)} tensor(s) swapped, {self.swapped_bytes / 2**20:.1f} MiB, "
+                f"{swap_ins} swap-in(s); {len(self.skipped)} skipped")

@@ -1,0 +1,147 @@
+"""Which forward tensors to park in host memory, and when each comes back (TFLMS v2 vocabulary).
+
+A forward tensor is a candidate when a backward op consumes it at least `swapout_threshold` levels
+after its producer. Its far consumers are grouped (`swapin_groupby`); each group gets one swap-in whose
+copy starts when a trigger op has run: the backward op `swapin_ahead` levels before the group's first
+consumer, found by walking back along the consumer's latest backward inputs (the path that actually
+runs just before it). Near consumers keep reading the original tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from lms_core.config import LMSConfig
+from lms_core.graph import BACKWARD, FORWARD, Graph, Op, tensor_name
+from lms_core.plan import Plan, Skip, Swap, SwapIn
+
+# Never swapped, whatever their size: variables are already resident and updated in place,
+# constants and shape metadata are tiny or live on the host.
+NEVER_SWAPPED_TYPES = {"Const", "ReadVariableOp", "VarHandleOp", "Placeholder", "_Arg", "Shape", "ShapeN",
+                       "Size", "Rank", "VariableV2"}
+# Tensors produced or consumed by these are left alone: their bodies are functions or frames the
+# rewrite does not see into, and rerouting into them is where a rewrite could change numerics.
+CONTROL_FLOW_TYPES = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "Switch", "Merge",
+                      "Enter", "Exit", "NextIteration", "LoopCond", "RefSwitch", "RefMerge", "RefEnter"}
+NON_DATA_DTYPES = {"resource", "variant", "string"}
+# Consumers that read only a tensor's metadata: they keep reading the original (Grappler folds them
+# to constants when shapes are static), so they neither need a swap-in nor decide when one happens.
+SHAPE_ONLY_TYPES = {"Shape", "ShapeN", "Size", "Rank"}
+
+
+def device_kind(device: str) -> str:
+    """`/job:w/replica:0/task:0/device:GPU:1` -> `GPU`; '' when unplaced."""
+    text = device.upper()
+    for kind in ("GPU", "TPU", "CPU"):
+        if f"{kind}:" in text:
+            return kind
+    return ""
+
+
+def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "") -> Plan:
+    """Requires `category` and `level` on every op (lms_core.passes)."""
+    plan = Plan(settings=asdict(config), ops=len(graph),
+                levels=1 + max((op.level for op in graph.ops.values()), default=-1))
+    compute_kind = device_kind(compute_device)
+    for name in graph.order:
+        producer = graph[name]
+        if producer.category != FORWARD:
+            continue
+        for index, info in enumerate(producer.outputs):
+            tensor = tensor_name(name, index)
+            consumers = [(graph[c], slot) for c, slot in graph.consumers(tensor)]
+            far = sorted({c.name: c for c, _ in consumers
+                          if c.category == BACKWARD and c.type not in SHAPE_ONLY_TYPES
+                          and c.level - producer.level >= config.swapout_threshold}.values(),
+                         key=lambda c: (c.level, c.name))
+            if not far:
+                continue
+            reason = _reason_not_to_swap(producer, info, far, config, compute_kind)
+            if reason == "small":
+                plan.skipped_small += 1
+                continue
+            if reason:
+                plan.skipped.append(Skip(tensor, info.nbytes, reason))
+                continue
+            swap_ins = _plan_swap_ins(graph, producer, index, far, config)
+            if isinstance(swap_ins, str):
+                plan.skipped.append(Skip(tensor, info.nbytes, swap_ins))
+                continue
+            far_names = {c.name for c in far}
+            waiters = []
+            if config.sync_mode in (1, 3):
+                waiters = sorted({c.name for c, _ in consumers if c.category == FORWARD and c.name not in far_names})
+            plan.swaps.append(Swap(
+                tensor=tensor, producer_type=producer.type, shape=list(info.shape), dtype=info.dtype,
+                nbytes=info.nbytes, producer_level=producer.level, swap_out=f"lms/swapout_{name}_{index}",
+                swap_ins=swap_ins, waiters=waiters))
+    return plan
+
+
+def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_kind: str) -> str | None:
+    if producer.type in NEVER_SWAPPED_TYPES:
+        return f"{producer.type} output: variables, constants and shape metadata are never swapped"
+    if producer.type in CONTROL_FLOW_TYPES:
+        return f"produced by control flow ({producer.type}); the rewrite does not reach into its branches or loop"
+    flow_consumer = next((c for c in far if c.type in CONTROL_FLOW_TYPES), None)
+    if flow_consumer is not None:
+        return f"consumed by control flow ({flow_consumer.type} {flow_consumer.name})"
+    if info.dtype in NON_DATA_DTYPES:
+        return f"{info.dtype} tensors hold handles, not data"
+    if info.nbytes is None:
+        return f"unknown size (shape {_shape_text(info.shape)}, dtype {info.dtype})"
+    kind = device_kind(producer.device)
+    if compute_kind and kind and kind != compute_kind:
+        return f"already off the compute device (on {producer.device})"
+    if config.include_types and producer.type not in config.include_types:
+        return f"op type {producer.type} not in lms.include_types"
+    if producer.type in config.exclude_types:
+        return f"op type {producer.type} in lms.exclude_types"
+    if config.include_scopes and not any(producer.name.startswith(s) for s in config.include_scopes):
+        return "outside lms.include_scopes"
+    scope = next((s for s in config.exclude_scopes if producer.name.startswith(s)), None)
+    if scope is not None:
+        return f"in lms.exclude_scopes ({scope})"
+    if info.nbytes < config.min_tensor_bytes:
+        return "small"
+    return None
+
+
+def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn] | str:
+    groups: list[list[Op]] = []
+    for consumer in far:
+        if groups and consumer.level - groups[-1][0].level <= config.swapin_groupby:
+            groups[-1].append(consumer)
+        else:
+            groups.append([consumer])
+    swap_ins = []
+    for number, group in enumerate(groups):
+        first = group[0]
+        target = first.level - max(1, config.swapin_ahead)
+        trigger = find_trigger(graph, first, target)
+        if trigger is None:
+            return f"no backward op runs before {first.name} to start its swap-in"
+        waiters = []
+        if config.sync_mode in (2, 3):
+            # The trigger's backward successors wait for the copy, so it is done before they start.
+            waiters = sorted({s for s in graph.successors(trigger.name) if graph[s].category == BACKWARD})
+        swap_ins.append(SwapIn(
+            name=f"lms/swapin_{producer.name}_{index}_{number}", trigger=trigger.name, trigger_level=trigger.level,
+            consumers=[c.name for c in group], consumer_levels=[c.level for c in group], waiters=waiters))
+    return swap_ins
+
+
+def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
+    """Walks back from `consumer` along its latest backward input (data or control) until at or
+    below `target_level`. Levels fall strictly along the walk, so the trigger can never depend on
+    the swap-in it starts (no cycle)."""
+    current = consumer
+    while current.level > target_level:
+        backward = [graph[p] for p in graph.predecessors(current) if graph[p].category == BACKWARD]
+        if not backward:
+            break
+        current = max(backward, key=lambda op: (op.level, op.name))
+    return None if current is consumer else current
+
+
+def _shape_text(shape) -> str:
+    return "unknown" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"

@@ -37,14 +37,18 @@ def device_kind(device: str) -> str:
     return ""
 
 
-def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "") -> Plan:
-    """Requires `category` and `level` on every op (lms_core.passes)."""
+def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset()
+               ) -> Plan:
+    """Requires `category` and `level` on every op (lms_core.passes). `data_inputs` names the step's
+    input placeholders (the batch): they live from the first forward op to the last backward one, so
+    they are candidates like forward activations."""
     plan = Plan(settings=asdict(config), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
     compute_kind = device_kind(compute_device)
+    constant = constant_ops(graph)
     for name in graph.order:
         producer = graph[name]
-        if producer.category != FORWARD:
+        if producer.category != FORWARD and name not in data_inputs:
             continue
         for index, info in enumerate(producer.outputs):
             tensor = tensor_name(name, index)
@@ -62,7 +66,7 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "") -> Pla
             if reason:
                 plan.skipped.append(Skip(tensor, info.nbytes, reason))
                 continue
-            swap_ins = _plan_swap_ins(graph, producer, index, far, config)
+            swap_ins = _plan_swap_ins(graph, producer, index, far, config, constant)
             if isinstance(swap_ins, str):
                 plan.skipped.append(Skip(tensor, info.nbytes, swap_ins))
                 continue
@@ -78,7 +82,7 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "") -> Pla
 
 
 def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_kind: str) -> str | None:
-    if producer.type in NEVER_SWAPPED_TYPES:
+    if producer.type in NEVER_SWAPPED_TYPES and producer.category == FORWARD:
         return f"{producer.type} output: variables, constants and shape metadata are never swapped"
     if producer.type in CONTROL_FLOW_TYPES:
         return f"produced by control flow ({producer.type}); the rewrite does not reach into its branches or loop"
@@ -106,7 +110,20 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
     return None
 
 
-def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn] | str:
+def constant_ops(graph: Graph) -> set[str]:
+    """Ops computed from constants alone (the gradient seed `ones -> Tile -> ...`, shape arithmetic).
+    Grappler folds them into constants and drops control edges on them, so they cannot be triggers."""
+    constant: set[str] = set()
+    for name in graph.order:
+        op = graph[name]
+        preds = list(graph.predecessors(op))
+        if op.type == "Const" or (preds and all(p in constant for p in preds)):
+            constant.add(name)
+    return constant
+
+
+def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig,
+                   constant: set[str]) -> list[SwapIn] | str:
     groups: list[list[Op]] = []
     for consumer in far:
         if groups and consumer.level - groups[-1][0].level <= config.swapin_groupby:
@@ -117,9 +134,9 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
     for number, group in enumerate(groups):
         first = group[0]
         target = first.level - max(1, config.swapin_ahead)
-        trigger = find_trigger(graph, first, target)
+        trigger = find_trigger(graph, first, target, constant)
         if trigger is None:
-            return f"no backward op runs before {first.name} to start its swap-in"
+            return f"no backward op that depends on data runs before {first.name} to start its swap-in"
         waiters = []
         if config.sync_mode in (2, 3):
             # The trigger's backward successors wait for the copy, so it is done before they start.
@@ -130,13 +147,14 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
     return swap_ins
 
 
-def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
-    """Walks back from `consumer` along its latest backward input (data or control) until at or
-    below `target_level`. Levels fall strictly along the walk, so the trigger can never depend on
-    the swap-in it starts (no cycle)."""
+def find_trigger(graph: Graph, consumer: Op, target_level: int, constant: set[str] = frozenset()) -> Op | None:
+    """Walks back from `consumer` along its latest backward input (data or control) that is not a
+    folded constant, until at or below `target_level`. Levels fall strictly along the walk, so the
+    trigger can never depend on the swap-in it starts (no cycle)."""
     current = consumer
     while current.level > target_level:
-        backward = [graph[p] for p in graph.predecessors(current) if graph[p].category == BACKWARD]
+        backward = [graph[p] for p in graph.predecessors(current)
+                    if graph[p].category == BACKWARD and p not in constant]
         if not backward:
             break
         current = max(backward, key=lambda op: (op.level, op.name))

@@ -30,7 +30,9 @@ def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/dev
     """Traces `step` and plans its swaps. Returns (concrete function, IR, plan)."""
     concrete = trace(step, *input_specs)
     graph = analyze(graph_ir(concrete.graph))
-    return concrete, graph, plan_swaps(graph, config, compute_device)
+    captured = {id(internal) for _, internal in concrete.graph.captures}
+    batch = frozenset(t.op.name for t in concrete.graph.inputs if id(t) not in captured)
+    return concrete, graph, plan_swaps(graph, config, compute_device, data_inputs=batch)
 
 
 def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0",

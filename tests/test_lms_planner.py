@@ -1,0 +1,201 @@
+"""lms_core without TensorFlow: categories, levels and plans on small hand-built graphs.
+
+The graph below is a training step in miniature:
+
+    x ─ conv ─ relu ─ pool ─ loss          (forward; `loss` is the step's output)
+         │      └───────────┐
+         │    gradient_tape/pool_grad ─ gradient_tape/relu_grad ─ gradient_tape/conv_filter_grad ─ sgd/mul ─ sgd/assign
+         └──────────────────────────────────────────────────┘
+    relu is read again by relu_grad, the input batch x by conv_filter_grad, the weight w by
+    conv_input_grad: all three are long-lived, but a weight is never swapped.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lms_core.config import LMSConfig, SettingError
+from lms_core.graph import BACKWARD, FORWARD, OTHER, UPDATE, Graph, Op, TensorInfo
+from lms_core.passes import Pass, run_passes
+from lms_core.passes.categorize import CATEGORIZE
+from lms_core.passes.levels import ASSIGN_LEVELS
+from lms_core.planner import plan_swaps
+
+MIB = 1 << 20
+
+
+def t(mib: float = 4, shape=(16, 64, 64, 16), dtype="float32") -> TensorInfo:
+    return TensorInfo(shape=shape, dtype=dtype, nbytes=None if mib is None else int(mib * MIB))
+
+
+def tiny_step(extra: list[Op] = (), relu_bytes: float | None = 4) -> Graph:
+    ops = [
+        Op("x", "Placeholder", outputs=[t(1)]),
+        Op("w", "ReadVariableOp", inputs=["w_handle:0"], outputs=[t(0.01)]),
+        Op("w_handle", "Placeholder", outputs=[t(None, shape=(), dtype="resource")]),
+        Op("conv", "Conv2D", inputs=["x:0", "w:0"], outputs=[t(4)]),
+        Op("relu", "Relu", inputs=["conv:0"], outputs=[t(relu_bytes)]),
+        Op("pool", "Mean", inputs=["relu:0"], outputs=[t(0.001)]),
+        Op("loss", "Identity", inputs=["pool:0"], outputs=[t(0)]),
+        Op("ones", "Const", outputs=[t(0)]),
+        # The seed meets forward data (as softmax cross-entropy's gradient does), so it is no constant.
+        Op("gradient_tape/pool_grad", "Mul", inputs=["ones:0", "pool:0"], outputs=[t(4)]),
+        Op("gradient_tape/relu_grad", "ReluGrad", inputs=["gradient_tape/pool_grad:0", "relu:0"], outputs=[t(4)]),
+        Op("gradient_tape/shape", "Shape", inputs=["relu:0"], outputs=[t(0)]),
+        Op("gradient_tape/conv_filter_grad", "Conv2DBackpropFilter",
+           inputs=["x:0", "gradient_tape/shape:0", "gradient_tape/relu_grad:0"], outputs=[t(0.01)]),
+        Op("gradient_tape/conv_input_grad", "Conv2DBackpropInput", inputs=["w:0", "gradient_tape/relu_grad:0"],
+           outputs=[t(1)]),
+        Op("sgd/mul", "Mul", inputs=["gradient_tape/conv_filter_grad:0"], outputs=[t(0.01)]),
+        Op("sgd/assign", "AssignSubVariableOp", inputs=["w_handle:0", "sgd/mul:0"]),
+        *extra,
+    ]
+    return Graph(ops, outputs=["loss:0"])
+
+
+def analyzed(graph: Graph) -> Graph:
+    run_passes(graph, [CATEGORIZE, ASSIGN_LEVELS])
+    return graph
+
+
+def test_categories_come_from_structure_and_the_gradient_scope():
+    g = analyzed(tiny_step())
+    assert {n: g[n].category for n in ("conv", "relu", "pool", "loss", "w")} == dict.fromkeys(
+        ("conv", "relu", "pool", "loss", "w"), FORWARD)
+    assert g["gradient_tape/relu_grad"].category == BACKWARD
+    assert g["gradient_tape/conv_filter_grad"].category == BACKWARD
+    assert g["sgd/mul"].category == UPDATE and g["sgd/assign"].category == UPDATE
+    assert g["x"].category == OTHER and g["ones"].category == OTHER
+
+
+def test_collectives_and_everything_after_them_are_updates():
+    extra = [Op("allreduce", "HorovodGroupedAllreduce", inputs=["gradient_tape/conv_filter_grad:0"], outputs=[t(0.01)]),
+             Op("sgd/mul2", "Mul", inputs=["allreduce:0"], outputs=[t(0.01)]),
+             Op("sgd/assign2", "AssignVariableOp", inputs=["w_handle:0", "sgd/mul2:0"])]
+    g = analyzed(tiny_step(extra))
+    assert [g[n].category for n in ("allreduce", "sgd/mul2", "sgd/assign2")] == [UPDATE] * 3
+    assert g["gradient_tape/conv_filter_grad"].category == BACKWARD
+
+
+def test_levels_climb_along_every_edge_and_backward_follows_forward():
+    g = analyzed(tiny_step())
+    for op in g.ops.values():
+        for pred in g.predecessors(op):
+            assert g[pred].level < op.level, (pred, op.name)
+    last_forward = max(op.level for op in g.ops.values() if op.category == FORWARD)
+    assert min(op.level for op in g.ops.values() if op.category == BACKWARD) == last_forward + 1
+    # The gradient seed needs only a constant, yet sits after the forward phase, not at level 1.
+    assert g["gradient_tape/pool_grad"].level == last_forward + 1
+
+
+def test_a_pass_cannot_run_before_what_it_requires():
+    with pytest.raises(ValueError, match="assign_levels requires category"):
+        run_passes(tiny_step(), [ASSIGN_LEVELS, CATEGORIZE])
+    later = Pass("reader", requires=frozenset({"level"}), ensures=frozenset(), run=lambda g: None)
+    run_passes(analyzed(tiny_step()), [later], available=frozenset({"category", "level"}))
+
+
+def test_the_long_lived_activations_are_swapped_for_their_backward_consumers():
+    g = analyzed(tiny_step())
+    plan = plan_swaps(g, LMSConfig(enabled=True, swapout_threshold=2, swapin_ahead=1, min_tensor_bytes=MIB),
+                      data_inputs=frozenset({"x"}))
+    assert [s.tensor for s in plan.swaps] == ["x:0", "relu:0"]
+    relu = plan.swaps[1]
+    assert relu.swap_out == "lms/swapout_relu_0" and relu.nbytes == 4 * MIB
+    (swap_in,) = relu.swap_ins
+    assert swap_in.name == "lms/swapin_relu_0_0"
+    assert swap_in.consumers == ["gradient_tape/relu_grad"]  # not the Shape op: it reads only metadata
+    assert swap_in.trigger == "gradient_tape/pool_grad"  # the backward op right before the consumer
+    assert plan.swapped_bytes == 5 * MIB
+    assert any(s.tensor == "w:0" and "never swapped" in s.reason for s in plan.skipped)
+
+
+def test_near_consumers_are_not_worth_a_swap():
+    g = analyzed(tiny_step())
+    distance = g["gradient_tape/relu_grad"].level - g["relu"].level
+    assert plan_swaps(g, LMSConfig(swapout_threshold=distance, min_tensor_bytes=0)).swaps
+    assert not [s for s in plan_swaps(g, LMSConfig(swapout_threshold=distance + 1, min_tensor_bytes=0)).swaps
+                if s.tensor == "relu:0"]
+
+
+def test_size_floor_scope_and_type_filters():
+    g = analyzed(tiny_step())
+    base = dict(enabled=True, swapout_threshold=1)
+    assert not plan_swaps(g, LMSConfig(**base, min_tensor_bytes=8 * MIB)).swaps
+    assert plan_swaps(g, LMSConfig(**base, min_tensor_bytes=8 * MIB)).skipped_small == 2  # relu and pool
+    assert not plan_swaps(g, LMSConfig(**base, exclude_types=["Relu"])).swaps
+    assert "lms.exclude_types" in plan_swaps(g, LMSConfig(**base, exclude_types=["Relu"])).skipped[-1].reason
+    assert not plan_swaps(g, LMSConfig(**base, include_scopes=["encoder/"])).swaps
+    assert [s.tensor for s in plan_swaps(g, LMSConfig(**base, include_types=["Relu"])).swaps] == ["relu:0"]
+
+
+def test_unknown_sizes_and_control_flow_are_skipped_with_the_reason():
+    g = analyzed(tiny_step(relu_bytes=None))
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0))
+    assert not plan.swaps
+    assert [s.reason for s in plan.skipped if s.tensor == "relu:0"] == [
+        "unknown size (shape [16, 64, 64, 16], dtype float32)"]
+    cond = [Op("gradient_tape/cond", "StatelessIf", inputs=["gradient_tape/relu_grad:0", "relu:0"], outputs=[t(4)])]
+    g = analyzed(tiny_step(cond))
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0))
+    assert [s.reason for s in plan.skipped if s.tensor == "relu:0"] == [
+        "consumed by control flow (StatelessIf gradient_tape/cond)"]
+
+
+def test_sync_modes_add_waiters():
+    g = analyzed(tiny_step())
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0, sync_mode=3))
+    relu = next(s for s in plan.swaps if s.tensor == "relu:0")
+    assert relu.waiters == ["pool"]  # the forward consumer waits for the swap-out
+    assert relu.swap_ins[0].waiters == ["gradient_tape/relu_grad"]  # the trigger's successors wait for the swap-in
+    assert plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0, sync_mode=0)).swaps[0].waiters == []
+
+
+def test_a_trigger_is_never_computed_from_constants_alone():
+    # Grappler folds such ops into constants and drops control edges on them.
+    g = tiny_step()
+    g.ops["gradient_tape/pool_grad"].inputs = ["ones:0"]
+    g = analyzed(Graph(g.ops.values(), g.outputs))
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0))
+    assert "relu:0" not in [s.tensor for s in plan.swaps]
+    assert [s.reason for s in plan.skipped if s.tensor == "relu:0"] == [
+        "no backward op that depends on data runs before gradient_tape/relu_grad to start its swap-in"]
+
+
+def test_consumers_within_groupby_levels_share_one_swap_in():
+    extra = [Op("gradient_tape/second_use", "Mul", inputs=["gradient_tape/relu_grad:0", "relu:0"], outputs=[t(4)])]
+    g = analyzed(tiny_step(extra))
+    separate = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0, swapin_groupby=0))
+    shared = plan_swaps(g, LMSConfig(swapout_threshold=1, min_tensor_bytes=0, swapin_groupby=5))
+    relu = lambda plan: next(s for s in plan.swaps if s.tensor == "relu:0")  # noqa: E731
+    assert [si.consumers for si in relu(separate).swap_ins] == [["gradient_tape/relu_grad"], ["gradient_tape/second_use"]]
+    assert [si.consumers for si in relu(shared).swap_ins] == [["gradient_tape/relu_grad", "gradient_tape/second_use"]]
+
+
+def test_plans_are_deterministic_and_json_serializable():
+    config = LMSConfig(swapout_threshold=1, min_tensor_bytes=0)
+    first = plan_swaps(analyzed(tiny_step()), config).to_json()
+    assert first == plan_swaps(analyzed(tiny_step()), config).to_json()
+    data = json.loads(first)
+    assert {"swaps", "swapped_bytes", "settings", "skipped", "estimated_peak_bytes", "estimated_host_bytes"} <= set(data)
+    assert data["settings"]["swapout_threshold"] == 1
+
+
+def test_nothing_qualifies_is_said_plainly():
+    plan = plan_swaps(analyzed(tiny_step()), LMSConfig(swapout_threshold=1000))
+    assert plan.swaps == [] and plan.summary().startswith("LMS plan: nothing to swap")
+
+
+@pytest.mark.parametrize("field, value", [("swapout_threshold", 0), ("swapin_ahead", -1), ("swapin_groupby", -2),
+                                          ("sync_mode", 4), ("min_tensor_bytes", -1)])
+def test_invalid_settings_name_the_key(field, value):
+    with pytest.raises(SettingError) as err:
+        LMSConfig(**{field: value})
+    assert err.value.key == field
+
+
+def test_a_cycle_is_reported_not_looped_on():
+    ops = [Op("a", "Relu", inputs=["b:0"], outputs=[t(1)]), Op("b", "Relu", inputs=["a:0"], outputs=[t(1)])]
+    with pytest.raises(ValueError, match="cycle"):
+        Graph(ops, outputs=["a:0"])

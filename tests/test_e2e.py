@@ -107,3 +107,23 @@ def test_unet3d_two_ranks_on_tfrecord_files(tmp_path):
                   "--set", f"data.path={data}", "--set", "data.shuffle_buffer=8")
     assert done.returncode == 0, done.stdout + done.stderr
     check_trained_in_sync(*read_run(run_dir), ranks=2)
+
+
+def test_two_ranks_train_the_same_with_lms_on_and_off(tmp_path):
+    runs = {}
+    for lms in ("false", "true"):
+        run_dir = tmp_path / f"lms-{lms}"
+        done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET, "--set", f"lms.enabled={lms}",
+                      "--set", "lms.min_tensor_bytes=0", "--set", "lms.swapout_threshold=1")
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[lms] = read_run(run_dir)
+    (records_off, off), (records_on, on) = runs["false"], runs["true"]
+    for rank_off, rank_on in zip(off["ranks"], on["ranks"]):
+        assert rank_on["initial_loss"] == pytest.approx(rank_off["initial_loss"], rel=1e-6)
+        assert rank_on["final_loss"] == pytest.approx(rank_off["final_loss"], rel=1e-6)
+    assert [r["loss"] for r in records_on] == pytest.approx([r["loss"] for r in records_off], rel=1e-6)
+    plans = sorted((tmp_path / "lms-true" / "lms").glob("plan-rank*.json"))
+    assert [p.name for p in plans] == ["plan-rank0.json", "plan-rank1.json"]
+    plan = json.loads(plans[1].read_text())
+    assert plan["swap_count"] > 0 and plan["rank"] == 1
+    assert set(plan["estimated_peak_bytes"]) == {"baseline", "lms"}

@@ -185,3 +185,27 @@ def test_grappler_estimates_less_gpu_memory_with_swaps():
     assert lms.device_bytes < 0.75 * baseline.device_bytes  # measured: 0.71
     assert lms.host_bytes >= 0.5 * rewritten.plan.swapped_bytes
     assert rewritten.plan.estimated_peak_bytes == {"baseline": baseline.device_bytes, "lms": lms.device_bytes}
+
+
+def test_unknown_batch_dimension_is_skipped_with_the_reason_and_numerics_hold():
+    model_a, _, step_a, specs, batch = training_step(ARCHITECTURES["densenet_block"])
+    expected = [float(step_a(*batch)) for _ in range(2)]
+    model_b, _, step_b, _, _ = training_step(ARCHITECTURES["densenet_block"])
+    unknown = tuple(tf.TensorSpec([None, *s.shape[1:]], s.dtype) for s in specs)
+    rewritten = lms_tf.rewrite(step_b, *unknown, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+    # Activations carry the unknown batch and are skipped; tensors of known size (batch-norm
+    # statistics) are still swapped.
+    assert any(s.reason.startswith("unknown size (shape [?, 16, 16") for s in rewritten.plan.skipped)
+    assert all(None not in s.shape for s in rewritten.plan.swaps)
+    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(2)], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("key, kwargs", [("compute_device", {"compute_device": "/device:XPU:0"}),
+                                         ("host_device", {"host_device": "warp-drive"})])
+def test_an_unknown_device_names_the_setting(key, kwargs):
+    from lms_core.config import SettingError
+
+    _, _, step, specs, _ = training_step(ARCHITECTURES["densenet_block"])
+    with pytest.raises(SettingError) as err:
+        lms_tf.rewrite(step, *specs, config=SWAP_ALL, **kwargs)
+    assert err.value.key == key

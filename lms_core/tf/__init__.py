@@ -7,13 +7,13 @@
 """
 from __future__ import annotations
 
-from lms_core.config import LMSConfig
+from lms_core.config import LMSConfig, SettingError
 from lms_core.graph import Graph
 from lms_core.passes import run_passes
 from lms_core.passes.categorize import CATEGORIZE
 from lms_core.passes.levels import ASSIGN_LEVELS
 from lms_core.plan import Plan
-from lms_core.planner import plan_swaps
+from lms_core.planner import device_kind, plan_swaps
 from lms_core.tf.apply import apply_plan
 from lms_core.tf.capture import graph_ir, trace
 from lms_core.tf.estimate import PeakEstimate, estimate_peak
@@ -26,8 +26,14 @@ def analyze(graph: Graph) -> Graph:
     return graph
 
 
+def check_device(key: str, device: str) -> None:
+    if device_kind(device) not in ("GPU", "CPU"):
+        raise SettingError(key, f"must name a GPU or CPU device such as /device:GPU:0; got {device!r}")
+
+
 def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0"):
     """Traces `step` and plans its swaps. Returns (concrete function, IR, plan)."""
+    check_device("compute_device", compute_device)
     concrete = trace(step, *input_specs)
     graph = analyze(graph_ir(concrete.graph))
     captured = {id(internal) for _, internal in concrete.graph.captures}
@@ -38,6 +44,7 @@ def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/dev
 def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0",
             host_device: str = "/device:CPU:0") -> RewrittenStep:
     """The step with the plan applied. With nothing to swap, the graph is re-imported unchanged."""
+    check_device("host_device", host_device)
     concrete, _, plan = plan_step(step, *input_specs, config=config, compute_device=compute_device)
     graph_def = apply_plan(concrete.graph.as_graph_def(), plan, compute_device, host_device)
     return RewrittenStep(concrete, graph_def, plan)

@@ -6,6 +6,7 @@ Each rank resolves the recipe itself; rank 0 alone writes to the run directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -70,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RECIPE_FILE).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     is_root = ctx.rank == 0
+    if recipe.train.precision == "mixed_float16" and ctx.device.startswith("CPU"):
+        # TensorFlow has no float16 CPU kernels for several ops (MaxPool3D among them), and float16
+        # buys nothing on a CPU: mixed precision is for GPUs.
+        if is_root:
+            print("lms-launch worker: train.precision=mixed_float16 needs a GPU; this rank computes on the CPU, "
+                  "so it trains in float32", flush=True)
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision="float32"))
 
     setup = training.build_training(recipe, ctx.size, ctx.device)
     if ctx.size > 1:

@@ -127,3 +127,11 @@ def test_two_ranks_train_the_same_with_lms_on_and_off(tmp_path):
     plan = json.loads(plans[1].read_text())
     assert plan["swap_count"] > 0 and plan["rank"] == 1
     assert set(plan["estimated_peak_bytes"]) == {"baseline", "lms"}
+
+
+def test_mixed_precision_on_a_cpu_rank_falls_back_to_float32_and_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "1", *TINY_UNET, "--set", "train.precision=mixed_float16")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mixed_float16 needs a GPU" in done.stdout
+    assert read_run(run_dir)[1]["precision"] == "float32"

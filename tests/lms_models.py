@@ -66,3 +66,25 @@ def training_step(build, seed: int = 0):
     batch = (tf.random.stateless_uniform(input_shape, seed=[seed, 1]),
              tf.random.stateless_uniform(label_shape, seed=[seed, 2], maxval=classes, dtype=tf.int32))
     return model, optimizer, step, specs, batch
+
+
+def conv_relu_step(input_shape: tuple[int, int, int], batch: int, blocks: int = 1, filters: int = 4, classes: int = 3):
+    """`blocks` x (Conv2D -> ReLU), average pooling, a dense classifier, plain SGD: the smallest step
+    whose ReLU outputs are long-lived. Returns (tf.function step, input specs)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(input_shape)
+    x = inputs
+    for _ in range(blocks):
+        x = layers.ReLU()(layers.Conv2D(filters, 3, padding="same")(x))
+    model = keras.Model(inputs, layers.Dense(classes)(layers.GlobalAveragePooling2D()(x)))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    return step, (tf.TensorSpec([batch, *input_shape]), tf.TensorSpec([batch], tf.int32))

@@ -13,7 +13,7 @@ import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
 from lms_core.graph import BACKWARD, FORWARD, UPDATE
 from lms_core.tf.apply import KEEP_ATTR
-from tests.lms_models import ARCHITECTURES, training_step
+from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
 
 CPU = "/device:CPU:0"
 SWAP_ALL = LMSConfig(enabled=True, swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
@@ -42,30 +42,8 @@ def test_nothing_to_swap_leaves_the_graph_identical():
     assert np.isfinite(float(rewritten(*batch)))
 
 
-def tiny_conv_step():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8, 8, 2))
-    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv")(inputs)
-    x = keras.layers.ReLU(name="relu")(x)
-    outputs = keras.layers.Dense(3, name="dense")(keras.layers.GlobalAveragePooling2D(name="pool")(x))
-    model = keras.Model(inputs, outputs)
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x)))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    return step, (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
-
-
 def test_structural_golden_on_a_tiny_graph():
-    step, specs = tiny_conv_step()
+    step, specs = conv_relu_step((8, 8, 2), batch=2)
     config = LMSConfig(enabled=True, swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0, include_types=["Relu"])
     rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:GPU:0", host_device=CPU)
     nodes = {n.name: n for n in rewritten.graph_def.node}
@@ -159,25 +137,7 @@ def test_control_flow_in_the_step_is_left_alone_and_numerics_hold():
 
 
 def test_grappler_estimates_less_gpu_memory_with_swaps():
-    import keras
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64, 64, 3))
-    x = inputs
-    for _ in range(4):
-        x = keras.layers.ReLU()(keras.layers.Conv2D(32, 3, padding="same")(x))
-    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x)))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    specs = (tf.TensorSpec([32, 64, 64, 3]), tf.TensorSpec([32], tf.int32))
+    step, specs = conv_relu_step((64, 64, 3), batch=32, blocks=4, filters=32, classes=10)
     config = LMSConfig(enabled=True, swapout_threshold=4, swapin_ahead=1, min_tensor_bytes=1 << 20)
     rewritten = lms_tf.rewrite(step, *specs, config=config)
     baseline, lms = lms_tf.estimate_rewrite(rewritten, 1 << 30)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import abc
-import math
 from typing import Iterator
 
 import tensorflow as tf
@@ -73,7 +72,3 @@ def smooth_noise(shape: list[int], seed: int, passes: int = 2) -> tf.Tensor:
         values = pool(values, ksize=3, strides=1, padding="SAME")
     lo, hi = tf.reduce_min(values), tf.reduce_max(values)
     return (values - lo) / tf.maximum(hi - lo, 1e-6)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return int(math.ceil(a / b))

@@ -122,8 +122,13 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, key)
+        choices = [a for a in args if a is not type(None)]
+        for inner in choices[:-1]:  # e.g. `float | str`: a number if it is one, else a name
+            try:
+                return _convert(inner, value, key)
+            except RecipeError:
+                pass
+        return _convert(choices[-1], value, key)
     if origin is list:
         if not isinstance(value, list):
             raise RecipeError(f"{key}: expected a list, got {_describe(value)}")

@@ -1,0 +1,226 @@
+"""Replays a planned step on a model of one GPU: a compute stream, a D2H and an H2D copy queue.
+
+Ops run on the compute stream one at a time, each for its cost (lms_core.costs): whichever is ready
+first (all inputs produced, swap-ins arrived), ties broken by the categorized order (level, then
+graph order). That is how TensorFlow's executor and Grappler's FirstReady scheduler pick work, so a
+consumer waiting for a copy does not hold up ops that could run meanwhile.
+Device memory follows reference counts: a tensor is resident from its producer's start to the end of
+its last device reader. For a swapped tensor the swap-out's copy is one such reader, so the device
+buffer is released only when the copy to the host has finished. A swap-in's copy starts when its
+trigger has run, the tensor has reached the host and the H2D queue is free; its buffer is resident
+from the copy's start until its last consumer ends, and a consumer whose swap-in has not arrived
+stalls the stream. Copies take bytes / link rate; with an infinite link they take no time, which is
+Grappler's model, and the two estimates can be compared.
+
+Predicts peak device and host memory, step time, stall time, the share of transfer time hidden behind
+compute, and device memory per level.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from lms_core.graph import Graph, split_tensor
+from lms_core.link import LinkRates
+from lms_core.plan import Plan
+
+
+@dataclass
+class SimulationResult:
+    peak_device_bytes: int
+    peak_host_bytes: int
+    step_time_s: float
+    compute_time_s: float
+    stall_time_s: float
+    transfer_time_s: float  # D2H + H2D copy time, summed
+    hidden_share: float  # share of transfer time overlapped with compute (1.0: fully hidden)
+    swapped_bytes: int
+    forward_time_s: float  # when the backward pass began
+    device_by_level: list[tuple[int, int]] = field(default_factory=list)  # (level, max device bytes)
+    d2h_busy: list[tuple[float, float]] = field(default_factory=list)  # copy intervals (start, end)
+    h2d_busy: list[tuple[float, float]] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, device bytes) after each change
+    resident_at_peak: list[tuple[str, int]] = field(default_factory=list)  # the largest buffers at the peak
+
+
+def _copy_seconds(nbytes: int, rate: float) -> float:
+    return 0.0 if rate == float("inf") else nbytes / rate
+
+
+def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
+             keep_timeline: bool = False) -> SimulationResult:
+    """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
+    `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
+    need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does."""
+    position = {name: i for i, name in enumerate(graph.order)}
+    sync = plan.settings.get("sync_mode", 0)
+
+    # Who reads what on the device once the plan is applied.
+    reroute: dict[tuple[str, str], str] = {}  # (consumer, tensor) -> swap-in name
+    swap_of: dict[str, object] = {}
+    swap_in_of: dict[str, tuple[object, object]] = {}
+    triggers: dict[str, list[str]] = {}
+    waiters_out: dict[str, str] = {}  # forward op -> swapped tensor whose swap-out it waits for
+    waiters_in: dict[str, list[str]] = {}  # op -> swap-ins it waits for
+    for swap in plan.swaps:
+        swap_of[swap.tensor] = swap
+        for swap_in in swap.swap_ins:
+            swap_in_of[swap_in.name] = (swap, swap_in)
+            triggers.setdefault(swap_in.trigger, []).append(swap_in.name)
+            for consumer in swap_in.consumers:
+                reroute[(consumer, swap.tensor)] = swap_in.name
+            if sync in (2, 3):
+                for waiter in swap_in.waiters:
+                    waiters_in.setdefault(waiter, []).append(swap_in.name)
+        if sync in (1, 3):
+            for waiter in swap.waiters:
+                waiters_out[waiter] = swap.tensor
+
+    refs: dict[str, int] = {}  # device buffer -> readers still to run
+    last_end: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    for name in graph.order:
+        op = graph[name]
+        for index, info in enumerate(op.outputs):
+            tensor = f"{name}:{index}"
+            nbytes[tensor] = info.nbytes or 0
+            readers = {c for c, _ in graph.consumers(tensor) if (c, tensor) not in reroute}
+            refs[tensor] = len(readers) + (1 if tensor in swap_of else 0)
+    for swap in plan.swaps:
+        for swap_in in swap.swap_ins:
+            refs[swap_in.name] = len(set(swap_in.consumers))
+            nbytes[swap_in.name] = swap.nbytes
+
+    events: list[tuple[float, int, int, str]] = []  # (time, allocations first, device delta, buffer)
+    host_events: list[tuple[float, int, int, str]] = []
+    end: dict[str, float] = {}
+    swapped_out_at: dict[str, float] = {}
+    arrival: dict[str, float] = {}
+    host_refs: dict[str, int] = {s.tensor: len(s.swap_ins) for s in plan.swaps}
+    stream = d2h_free = h2d_free = 0.0
+    stall = compute = transfer = 0.0
+    forward_end: float | None = None
+    d2h_busy: list[tuple[float, float]] = []
+    h2d_busy: list[tuple[float, float]] = []
+    op_end_times: list[tuple[float, int]] = []
+
+    def _ready_time(name: str) -> float:
+        """Inputs produced, swap-ins arrived, and the waits of the sync mode met. A trigger is an
+        ancestor of its consumers, so every arrival is known by the time they are ready."""
+        ready = ready_at[name]
+        if name in waiters_out:
+            ready = max(ready, swapped_out_at[waiters_out[name]])
+        waiting_for = [reroute[(name, t)] for t in graph[name].inputs if (name, t) in reroute]
+        return max([ready, *(arrival[s] for s in waiting_for + waiters_in.get(name, []))])
+
+    def release(buffer: str, at: float) -> None:
+        last_end[buffer] = max(last_end.get(buffer, 0.0), at)
+        refs[buffer] -= 1
+        if refs[buffer] == 0 and nbytes[buffer]:
+            events.append((last_end[buffer], 1, -nbytes[buffer], buffer))
+
+    pending = {name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order}
+    ready_at = {name: 0.0 for name in graph.order}
+    queue = [(0.0, graph[n].level, position[n], n) for n, count in pending.items() if count == 0]
+    heapq.heapify(queue)
+    while queue:
+        ready, _, _, name = heapq.heappop(queue)
+        op = graph[name]
+        start = max(stream, ready)
+        stall += start - stream  # the stream idles only while waiting for a copy
+        if forward_end is None and op.category == "backward" and any(
+                graph[split_tensor(t)[0]].category == "forward" for t in op.inputs):
+            forward_end = start  # the first backward op that reads an activation
+        cost = costs.get(name, 0.0)
+        finish = start + cost
+        stream = finish
+        compute += cost
+        end[name] = finish
+        for index in range(len(op.outputs)):
+            tensor = f"{name}:{index}"
+            if nbytes[tensor]:
+                events.append((start, 0, nbytes[tensor], tensor))
+            if refs[tensor] == 0 and nbytes[tensor]:
+                events.append((finish, 1, -nbytes[tensor], tensor))
+        for tensor in dict.fromkeys(op.inputs):
+            buffer = reroute.get((name, tensor), tensor)
+            if buffer in refs:
+                release(buffer, finish)
+        op_end_times.append((finish, op.level))
+
+        for index in range(len(op.outputs)):  # swap-outs: copy to the host when produced
+            tensor = f"{name}:{index}"
+            swap = swap_of.get(tensor)
+            if swap is None:
+                continue
+            copy_start = max(finish, d2h_free)
+            copy_end = copy_start + _copy_seconds(swap.nbytes, link.d2h_bytes_per_s)
+            d2h_free = copy_end
+            transfer += copy_end - copy_start
+            d2h_busy.append((copy_start, copy_end))
+            host_events.append((copy_start, 0, swap.nbytes, tensor))
+            swapped_out_at[tensor] = copy_end
+            release(tensor, copy_end)
+
+        for swap_in_name in triggers.get(name, []):  # swap-ins this op starts
+            swap, _ = swap_in_of[swap_in_name]
+            copy_start = max(finish, h2d_free, swapped_out_at[swap.tensor])
+            copy_end = copy_start + _copy_seconds(swap.nbytes, link.h2d_bytes_per_s)
+            h2d_free = copy_end
+            transfer += copy_end - copy_start
+            h2d_busy.append((copy_start, copy_end))
+            events.append((copy_start, 0, swap.nbytes, swap_in_name))
+            arrival[swap_in_name] = copy_end
+            host_refs[swap.tensor] -= 1
+            if host_refs[swap.tensor] == 0:
+                host_events.append((copy_end, 1, -swap.nbytes, swap.tensor))
+
+        for succ in set(graph.successors(name)):
+            ready_at[succ] = max(ready_at[succ], finish)
+            pending[succ] -= 1
+            if pending[succ] == 0:
+                heapq.heappush(queue, (_ready_time(succ), graph[succ].level, position[succ], succ))
+
+    step_time = max([stream, d2h_free, h2d_free])
+    forward_end = step_time if forward_end is None else forward_end
+    peak_device, timeline, at_peak = _peak(events, persistent_bytes, keep_timeline)
+    peak_host, _, _ = _peak(host_events, 0, False)
+    by_level = _by_level(events, persistent_bytes, op_end_times)
+    hidden = 1.0 if transfer == 0 else max(0.0, 1.0 - stall / transfer)
+    return SimulationResult(
+        peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time, compute_time_s=compute,
+        stall_time_s=stall, transfer_time_s=transfer, hidden_share=hidden, swapped_bytes=plan.swapped_bytes,
+        forward_time_s=forward_end, device_by_level=by_level, d2h_busy=d2h_busy, h2d_busy=h2d_busy,
+        timeline=timeline, resident_at_peak=at_peak)
+
+
+def _peak(events, base: int, keep: bool) -> tuple[int, list[tuple[float, int]], list[tuple[str, int]]]:
+    """Peak usage, the usage after each change (if `keep`), and the largest buffers at the peak."""
+    usage = peak = base
+    timeline, live, at_peak = [], {}, []
+    for time, _, delta, buffer in sorted(events):
+        usage += delta
+        if delta > 0:
+            live[buffer] = delta
+        else:
+            live.pop(buffer, None)
+        if usage > peak:
+            peak = usage
+            at_peak = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:10]
+        if keep:
+            timeline.append((time, usage))
+    return peak, timeline, at_peak
+
+
+def _by_level(events, base: int, op_end_times) -> list[tuple[int, int]]:
+    """Device bytes in use when each op ends, the maximum per level."""
+    usage, index, result = base, 0, {}
+    events = sorted(events)
+    for time, level in sorted(op_end_times):
+        while index < len(events) and events[index][0] <= time:
+            usage += events[index][2]
+            index += 1
+        result[level] = max(result.get(level, 0), usage)
+    return sorted(result.items())
+
+

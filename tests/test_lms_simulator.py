@@ -1,0 +1,159 @@
+"""The link model, the cost model and the simulator, on hand-checkable graphs and against Grappler."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lms_core.config import LMSConfig
+from lms_core.costs import PROFILES, op_flops, op_seconds
+from lms_core.graph import Graph, Op, TensorInfo
+from lms_core.link import GB, INFINITE, NAMED_LINKS, LinkRates, link_named, pcie_link, resolve_link
+from lms_core.plan import Plan
+from lms_core.planner import plan_swaps
+from lms_core.simulator import simulate
+from tests.test_lms_planner import MIB, analyzed, tiny_step
+
+
+def test_named_links_have_separate_directions_and_numbers_set_both():
+    assert link_named("c2c").h2d_bytes_per_s == 375 * GB and link_named("c2c").d2h_bytes_per_s == 297 * GB
+    assert link_named(25).h2d_bytes_per_s == link_named(25).d2h_bytes_per_s == 25 * GB
+    with pytest.raises(ValueError, match="unknown link 'pcie9'; use auto, pcie3"):
+        link_named("pcie9")
+    with pytest.raises(ValueError, match="must be > 0"):
+        link_named(0)
+
+
+def test_pcie_rates_scale_with_lanes():
+    assert pcie_link(4, 16).h2d_bytes_per_s == NAMED_LINKS["pcie4"].h2d_bytes_per_s
+    assert pcie_link(4, 8).h2d_bytes_per_s == NAMED_LINKS["pcie4"].h2d_bytes_per_s / 2
+    assert pcie_link(3, 16).name == "pcie3x16"
+
+
+def test_auto_without_a_gpu_falls_back_to_the_recipe_and_says_so():
+    rates, line = resolve_link("auto", "pcie4", gpu_index=None)
+    assert rates == NAMED_LINKS["pcie4"]
+    assert "no GPU, so the recipe's lms.link_fallback" in line
+    assert resolve_link("nvlink2", "pcie3", gpu_index=None)[0] == NAMED_LINKS["nvlink2"]
+
+
+def conv_graph() -> Graph:
+    ops = [Op("x", "Placeholder", outputs=[TensorInfo((8, 32, 32, 16), "float32", 8 * 32 * 32 * 16 * 4)]),
+           Op("w", "ReadVariableOp", outputs=[TensorInfo((3, 3, 16, 32), "float32", 3 * 3 * 16 * 32 * 4)]),
+           Op("conv", "Conv2D", inputs=["x:0", "w:0"], outputs=[TensorInfo((8, 32, 32, 32), "float32", 8 * 32 * 32 * 32 * 4)])]
+    return Graph(ops, outputs=["conv:0"])
+
+
+def test_convolution_flops_and_roofline_time():
+    g = conv_graph()
+    assert op_flops(g, g["conv"]) == 2 * 8 * 32 * 32 * 32 * (3 * 3 * 16)  # 2 x outputs x window
+    v100 = PROFILES["v100"]
+    expected = 2 * 8 * 32 * 32 * 32 * 144 / (v100.flops_per_s * v100.compute_efficiency) + v100.launch_overhead_s
+    assert op_seconds(g, g["conv"], v100) == pytest.approx(max(expected, 0))
+
+
+def unit_costs(graph: Graph) -> dict[str, float]:
+    return {name: 1.0 for name in graph.order}  # one second per op: easy to follow by hand
+
+
+def test_without_swaps_the_peak_is_what_is_live_at_once():
+    g = analyzed(tiny_step())
+    result = simulate(g, Plan(settings={}), unit_costs(g), INFINITE)
+    # conv (4 MiB) is read by relu; while relu runs both are live, with x (1 MiB) held for the
+    # filter gradient, pool_grad and relu_grad's inputs later; 4 + 4 + 1 MiB live plus small ones.
+    assert result.peak_device_bytes >= 9 * MIB
+    assert result.stall_time_s == 0 and result.transfer_time_s == 0 and result.hidden_share == 1.0
+    assert result.step_time_s == pytest.approx(result.compute_time_s)
+
+
+def chain_step() -> Graph:
+    """x -> a -> b -> c -> loss, each activation 4 MiB, and the backward chain reading them in
+    reverse: without swaps a, b and c all sit on the device when the forward pass ends."""
+    act = lambda: TensorInfo((4, 256, 256, 4), "float32", 4 * MIB)  # noqa: E731
+    ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)]),
+           Op("a", "Relu", inputs=["x:0"], outputs=[act()]),
+           Op("b", "Relu", inputs=["a:0"], outputs=[act()]),
+           Op("c", "Relu", inputs=["b:0"], outputs=[act()]),
+           Op("loss", "Sum", inputs=["c:0"], outputs=[TensorInfo((), "float32", 4)]),
+           Op("ones", "Const", outputs=[TensorInfo((), "float32", 4)]),
+           Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act()]),
+           Op("gradient_tape/grad_c", "ReluGrad", inputs=["gradient_tape/seed:0", "c:0"], outputs=[act()]),
+           Op("gradient_tape/grad_b", "ReluGrad", inputs=["gradient_tape/grad_c:0", "b:0"], outputs=[act()]),
+           Op("gradient_tape/grad_a", "ReluGrad", inputs=["gradient_tape/grad_b:0", "a:0"], outputs=[act()])]
+    return analyzed(Graph(ops, outputs=["loss:0"]))
+
+
+CHAIN_LMS = LMSConfig(swapout_threshold=4, swapin_ahead=1, min_tensor_bytes=MIB)
+
+
+def test_swapping_lowers_the_simulated_peak_and_levels_are_reported():
+    g = chain_step()
+    baseline = simulate(g, Plan(settings={}), unit_costs(g), INFINITE)
+    plan = plan_swaps(g, CHAIN_LMS)
+    assert [s.tensor for s in plan.swaps] == ["a:0", "b:0"]  # c is read right after the forward pass
+    swapped = simulate(g, plan, unit_costs(g), INFINITE)
+    # When grad_b starts: a, b, c, seed and grad_c, and grad_b itself. Buffers freed at the instant
+    # another is allocated still count (Grappler's trace does the same): 6 x 4 MiB.
+    assert baseline.peak_device_bytes == 6 * 4 * MIB
+    assert swapped.peak_device_bytes < baseline.peak_device_bytes
+    levels = [level for level, _ in swapped.device_by_level]
+    assert levels == sorted(levels) and len(levels) == len({op.level for op in g.ops.values()})
+    assert max(b for _, b in swapped.device_by_level) <= swapped.peak_device_bytes
+    assert dict(swapped.resident_at_peak).keys() <= {"c:0", "gradient_tape/seed:0", "gradient_tape/grad_c:0",
+                                                     "lms/swapin_b_0_0", "gradient_tape/grad_b:0",
+                                                     "lms/swapin_a_0_0", "a:0", "b:0", "loss:0"}
+
+
+def test_a_slow_link_stalls_and_a_fast_one_hides_the_copies():
+    g = chain_step()
+    plan = plan_swaps(g, CHAIN_LMS)
+    slow = LinkRates("slow", 1 * MIB, 1 * MIB, "test")  # 4 s per copy of a 4 MiB activation
+    fast = LinkRates("fast", 1e15, 1e15, "test")
+    slow_run = simulate(g, plan, unit_costs(g), slow)
+    fast_run = simulate(g, plan, unit_costs(g), fast)
+    assert slow_run.transfer_time_s == pytest.approx(4 * 4.0)  # two tensors, out and back
+    assert slow_run.stall_time_s > 0 and slow_run.step_time_s > fast_run.step_time_s
+    assert slow_run.hidden_share < 1.0
+    # With swapin_ahead 1 no op runs between trigger and consumer, so even a fast copy is not
+    # hidden, it only takes no time to speak of.
+    assert fast_run.stall_time_s < 1e-6
+    assert slow_run.peak_host_bytes == 8 * MIB and fast_run.peak_host_bytes <= 8 * MIB
+    # A slow swap-out holds its device buffer until the copy is done: never less device memory.
+    assert slow_run.peak_device_bytes >= fast_run.peak_device_bytes
+
+
+@pytest.mark.parametrize("batch", [32, 64, 128])
+def test_with_an_infinite_link_resnet50_peaks_match_grappler_within_10_percent(batch):
+    tf = pytest.importorskip("tensorflow")
+    import keras
+
+    import lms_core.tf as lms_tf
+    from lms_core.costs import step_costs
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000,
+                                        classifier_activation=None)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True)))
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        return loss
+
+    specs = (tf.TensorSpec([batch, 224, 224, 3]), tf.TensorSpec([batch], tf.int32))
+    config = LMSConfig(enabled=True)
+    rewritten = lms_tf.rewrite(step, *specs, config=config)
+    grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
+    _, graph, plan = lms_tf.plan_step(step, *specs, config=config)
+    costs = step_costs(graph, PROFILES["v100"])
+    sim_base = simulate(graph, Plan(settings=plan.settings), costs, INFINITE)
+    sim_lms = simulate(graph, plan, costs, INFINITE)
+    assert sim_base.peak_device_bytes == pytest.approx(grappler_base.device_bytes, rel=0.10)
+    assert sim_lms.peak_device_bytes == pytest.approx(grappler_lms.device_bytes, rel=0.10)
+    for link in ("nvlink2", "pcie3"):  # real links take time: never less memory than the estimate
+        real = simulate(graph, plan, costs, NAMED_LINKS[link])
+        assert real.peak_device_bytes >= grappler_lms.device_bytes * 0.999
+        assert real.step_time_s >= sim_lms.step_time_s and not math.isnan(real.hidden_share)

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from lms_core.units import format_bytes
+
 
 @dataclass
 class IntervalRecord:
@@ -227,13 +229,3 @@ def format_summary_table(summary: dict) -> str:
         lines.append(f"      voxels/s, all ranks: {summary['total_voxels_per_sec']:.4g}")
     lines.append("      weights identical on all ranks: " + ("yes" if summary["weights_in_sync"] else "NO"))
     return "\n".join(lines)
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lms_core.costs import PROFILES
+from lms_core.link import link_named
+from lms_core.units import parse_bytes
+
 
 class SettingError(ValueError):
     """A setting has a bad value. `key` is the field name inside its section (the recipe loader
@@ -33,6 +37,10 @@ class LMSConfig:
 
     enabled: bool = False
     """Rewrite each rank's training step so long-lived activations are swapped to host memory."""
+
+    mode: str = "auto"
+    """`auto`: each rank's auto-tuner picks swapout_threshold, swapin_ahead, swapin_groupby and
+    sync_mode for its own link and device by simulation; `manual`: the values below are used as given."""
 
     swapout_threshold: int = 8
     """Swap a forward tensor out only for backward consumers at least this many levels after its
@@ -64,6 +72,33 @@ class LMSConfig:
     exclude_types: list[str] = field(default_factory=list)
     """Tensors produced by these op types are never swapped."""
 
+    link: float | str = "auto"
+    """Host-device link: `auto` (NVML on a GPU), `pcie3`, `pcie4`, `pcie5`, `nvlink2`, `c2c`, or a rate in
+    GB/s. The rates behind each name, with sources, are in lms_core/link.py."""
+
+    link_fallback: float | str = "pcie3"
+    """The link `auto` assumes when it cannot tell (no GPU, no NVML); the log says when it did."""
+
+    rank_links: list[str] = field(default_factory=list)
+    """Links by rank (rank 0 first), overriding `link`: for clusters whose ranks sit on different links."""
+
+    measure_link: bool = False
+    """On a GPU, time host-device copies of a few sizes at start-up and use the measured rates."""
+
+    device: str = "auto"
+    """Device profile for the cost model: `auto` (from NVML's GPU name; v100 without a GPU), `v100`,
+    `a100`, `h100`, `h200`."""
+
+    device_memory: str | None = None
+    """Device memory to plan for, e.g. `16GiB` (default: the GPU's, or the profile's without one)."""
+
+    memory_ratio: float = 0.9
+    """The auto-tuner keeps the predicted device peak under device memory x this (room for the
+    allocator's fragmentation and cuDNN workspaces)."""
+
+    host_memory_ratio: float = 0.8
+    """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""
+
     def __post_init__(self) -> None:
         if self.swapout_threshold < 1:
             raise SettingError("swapout_threshold", f"must be >= 1 level, got {self.swapout_threshold}")
@@ -75,3 +110,23 @@ class LMSConfig:
             raise SettingError("sync_mode", f"must be one of 0, 1, 2, 3, got {self.sync_mode}")
         if self.min_tensor_bytes < 0:
             raise SettingError("min_tensor_bytes", f"must be >= 0, got {self.min_tensor_bytes}")
+        if self.mode not in ("auto", "manual"):
+            raise SettingError("mode", f"must be auto or manual, got {self.mode!r}")
+        for key, value in [("link", self.link), ("link_fallback", self.link_fallback),
+                           *((f"rank_links[{i}]", v) for i, v in enumerate(self.rank_links))]:
+            if value == "auto" and key != "link_fallback":
+                continue
+            try:
+                link_named(value)
+            except ValueError as err:
+                raise SettingError(key, str(err)) from None
+        if self.device != "auto" and self.device not in PROFILES:
+            raise SettingError("device", f"must be auto or one of {', '.join(PROFILES)}, got {self.device!r}")
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ValueError as err:
+                raise SettingError("device_memory", str(err)) from None
+        for key in ("memory_ratio", "host_memory_ratio"):
+            if not 0 < getattr(self, key) <= 1:
+                raise SettingError(key, f"must be in (0, 1], got {getattr(self, key)}")

@@ -48,6 +48,12 @@ class Plan:
     estimated_peak_bytes: dict[str, int | None] = field(default_factory=dict)  # "baseline", "lms"
     estimated_host_bytes: int | None = None
     device_memory_bytes: int | None = None
+    # Filled when the plan is made for a target (link, device): the simulator's prediction.
+    link: str | None = None
+    device_profile: str | None = None
+    prediction: dict[str, Any] = field(default_factory=dict)
+    tuning: str | None = None  # the auto-tuner's summary when lms.mode is auto
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def swapped_bytes(self) -> int:

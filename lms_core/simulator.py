@@ -35,7 +35,7 @@ class SimulationResult:
     transfer_time_s: float  # D2H + H2D copy time, summed
     hidden_share: float  # share of transfer time overlapped with compute (1.0: fully hidden)
     swapped_bytes: int
-    forward_time_s: float  # when the backward pass began
+    forward_time_s: float  # when the loss was computed
     device_by_level: list[tuple[int, int]] = field(default_factory=list)  # (level, max device bytes)
     d2h_busy: list[tuple[float, float]] = field(default_factory=list)  # copy intervals (start, end)
     h2d_busy: list[tuple[float, float]] = field(default_factory=list)
@@ -99,19 +99,29 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     host_refs: dict[str, int] = {s.tensor: len(s.swap_ins) for s in plan.swaps}
     stream = d2h_free = h2d_free = 0.0
     stall = compute = transfer = 0.0
+    # The forward pass ends when the loss is computed: the producers the step's outputs read (the
+    # output ops themselves wait, through control edges, for the whole step).
+    loss_ops = {split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs}
     forward_end: float | None = None
     d2h_busy: list[tuple[float, float]] = []
     h2d_busy: list[tuple[float, float]] = []
     op_end_times: list[tuple[float, int]] = []
 
-    def _ready_time(name: str) -> float:
-        """Inputs produced, swap-ins arrived, and the waits of the sync mode met. A trigger is an
-        ancestor of its consumers, so every arrival is known by the time they are ready."""
+    parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
+
+    def enqueue(name: str) -> None:
+        """Queue an op whose inputs are produced, at the time its swap-ins arrive and the waits of
+        the sync mode are met. A consumer whose swap-in has not been started (its trigger is an
+        ancestor of the group's first consumer only) is parked until the trigger runs."""
         ready = ready_at[name]
         if name in waiters_out:
             ready = max(ready, swapped_out_at[waiters_out[name]])
-        waiting_for = [reroute[(name, t)] for t in graph[name].inputs if (name, t) in reroute]
-        return max([ready, *(arrival[s] for s in waiting_for + waiters_in.get(name, []))])
+        needs = [reroute[(name, t)] for t in graph[name].inputs if (name, t) in reroute] + waiters_in.get(name, [])
+        missing = next((s for s in needs if s not in arrival), None)
+        if missing is not None:
+            parked.setdefault(missing, []).append(name)
+            return
+        heapq.heappush(queue, (max([ready, *(arrival[s] for s in needs)]), graph[name].level, position[name], name))
 
     def release(buffer: str, at: float) -> None:
         last_end[buffer] = max(last_end.get(buffer, 0.0), at)
@@ -128,14 +138,13 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
         op = graph[name]
         start = max(stream, ready)
         stall += start - stream  # the stream idles only while waiting for a copy
-        if forward_end is None and op.category == "backward" and any(
-                graph[split_tensor(t)[0]].category == "forward" for t in op.inputs):
-            forward_end = start  # the first backward op that reads an activation
         cost = costs.get(name, 0.0)
         finish = start + cost
         stream = finish
         compute += cost
         end[name] = finish
+        if name in loss_ops:
+            forward_end = finish if forward_end is None else max(forward_end, finish)
         for index in range(len(op.outputs)):
             tensor = f"{name}:{index}"
             if nbytes[tensor]:
@@ -171,6 +180,8 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
             h2d_busy.append((copy_start, copy_end))
             events.append((copy_start, 0, swap.nbytes, swap_in_name))
             arrival[swap_in_name] = copy_end
+            for waiting in parked.pop(swap_in_name, []):
+                enqueue(waiting)
             host_refs[swap.tensor] -= 1
             if host_refs[swap.tensor] == 0:
                 host_events.append((copy_end, 1, -swap.nbytes, swap.tensor))
@@ -179,8 +190,11 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
             ready_at[succ] = max(ready_at[succ], finish)
             pending[succ] -= 1
             if pending[succ] == 0:
-                heapq.heappush(queue, (_ready_time(succ), graph[succ].level, position[succ], succ))
+                enqueue(succ)
 
+    if parked or len(end) != len(graph.order):
+        raise ValueError(f"simulation stalled: {len(graph.order) - len(end)} op(s) never ran (a swap-in whose trigger "
+                         f"never runs: {sorted(parked)[:3]})")
     step_time = max([stream, d2h_free, h2d_free])
     forward_end = step_time if forward_end is None else forward_end
     peak_device, timeline, at_peak = _peak(events, persistent_bytes, keep_timeline)

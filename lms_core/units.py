@@ -27,3 +27,14 @@ def parse_bytes(text: str | int | float) -> int:
     if size <= 0:
         raise ValueError(f"{text!r}: a size must be positive")
     return size
+
+
+def format_bytes(n: float | None) -> str:
+    """1536 -> '1.50 KiB'; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

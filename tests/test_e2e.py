@@ -114,7 +114,7 @@ def test_two_ranks_train_the_same_with_lms_on_and_off(tmp_path):
     for lms in ("false", "true"):
         run_dir = tmp_path / f"lms-{lms}"
         done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET, "--set", f"lms.enabled={lms}",
-                      "--set", "lms.min_tensor_bytes=0", "--set", "lms.swapout_threshold=1")
+                      "--set", "lms.min_tensor_bytes=0", "--set", "lms.swapout_threshold=1", "--set", "lms.mode=manual")
         assert done.returncode == 0, done.stdout + done.stderr
         runs[lms] = read_run(run_dir)
     (records_off, off), (records_on, on) = runs["false"], runs["true"]
@@ -135,3 +135,19 @@ def test_mixed_precision_on_a_cpu_rank_falls_back_to_float32_and_says_so(tmp_pat
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mixed_float16 needs a GPU" in done.stdout
     assert read_run(run_dir)[1]["precision"] == "float32"
+
+
+def test_ranks_on_different_links_plan_for_their_own_link(tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "2", *TINY_UNET, "--set", "train.steps=4",
+                  "--set", "lms.enabled=true", "--set", "lms.rank_links=[nvlink2, pcie3]",
+                  "--set", "lms.device_memory=2.5MiB", "--set", "lms.min_tensor_bytes=0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    plans = [json.loads((run_dir / "lms" / f"plan-rank{r}.json").read_text()) for r in (0, 1)]
+    assert plans[0]["link"].startswith("nvlink2") and plans[1]["link"].startswith("pcie3")
+    assert plans[0]["settings"]["mode"] == "auto" and plans[0]["tuning"].startswith("auto-tuned")
+    # The slower link hides less of each copy, so its rank swaps fewer tensors and brings them back
+    # earlier (measured: nvlink2 41 swaps, ahead 2; pcie3 19 swaps, ahead 4).
+    assert plans[1]["swap_count"] < plans[0]["swap_count"]
+    assert plans[1]["settings"]["swapin_ahead"] >= plans[0]["settings"]["swapin_ahead"]
+    assert "LMS rank 1: link (lms.rank_links) pcie3" in done.stdout

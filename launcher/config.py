@@ -81,7 +81,7 @@ class DataConfig:
     """tfrecord only: samples held in the shuffle buffer of each rank."""
 
     prefetch: int = 2
-    """Batches prepared ahead of the training step."""
+    """Batches prepared ahead of the training step (0: none)."""
 
     def __post_init__(self) -> None:
         _one_of("source", self.source, DATA_SOURCES)

@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = recipe.train.batch_size
     model, task = setup.model, setup.task
-    batches = task.batches(batch, ctx.rank, ctx.size, ctx.device)
+    try:
+        batches = task.batches(batch, ctx.rank, ctx.size, ctx.device)
+    except (FileNotFoundError, ValueError) as err:  # the reader names the file, shape or label at fault
+        print(f"lms-launch worker (rank {ctx.rank}): data: {err}", file=sys.stderr, flush=True)
+        return 1
     with tf.device(ctx.device):
         records, initial_loss, final_loss = training.train(step, batches, recipe, ctx, task, setup.optimizer,
                                                            on_interval)

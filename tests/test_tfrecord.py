@@ -1,103 +1,188 @@
-"""TFRecord input: exact round trips, per-rank sharding, seeded shuffling, and clear errors."""
+"""TFRecord input: exact round trips, per-rank sharding, seeded shuffling, atomic writes, clear errors."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from launcher.data import convert
+from launcher.data import convert, tfrecord
 from launcher.data.tfrecord import read_dataset, write_records
 
 tf = pytest.importorskip("tensorflow")
 
+IMAGE = [4, 4, 3]
 
-def numbered_images(count: int, shape=(4, 4, 3)) -> tuple[np.ndarray, np.ndarray]:
+
+def numbered_images(count: int, shape=IMAGE) -> tuple[np.ndarray, np.ndarray]:
     """Image i is filled with the value i, so a read sample tells which one it was."""
     images = np.stack([np.full(shape, i, dtype=np.uint8) for i in range(count)])
     return images, np.arange(count, dtype=np.int64) % 5
 
 
-def sample_ids(path, rank: int, size: int, count: int, seed: int = 0, shuffle_buffer: int = 1) -> list[int]:
-    dataset = read_dataset(str(path), "images", [4, 4, 3], classes=5, batch_size=1, rank=rank, size=size,
-                           seed=seed, shuffle_buffer=shuffle_buffer)
-    return [int(round(float(x[0, 0, 0, 0]) * 255)) for x, _ in dataset.take(count)]
+def read_images(path, rank: int = 0, size: int = 1, seed: int = 0, shuffle_buffer: int = 1, batch_size: int = 1,
+                shape=IMAGE, classes: int = 5) -> tf.data.Dataset:
+    return read_dataset(str(path), "images", list(shape), classes=classes, batch_size=batch_size, rank=rank,
+                        size=size, seed=seed, shuffle_buffer=shuffle_buffer, prefetch=1)
+
+
+def sample_ids(path, count: int, **read) -> list[int]:
+    """The numbers of the first `count` samples a reader yields (see `numbered_images`)."""
+    dataset = read_images(path, **read).unbatch().take(count)
+    return [int(round(float(x[0, 0, 0]) * 255)) for x, _ in dataset]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Round trips
 
 
 def test_images_round_trip_exactly(tmp_path):
     images = np.random.default_rng(0).integers(0, 256, size=(6, 8, 8, 3), dtype=np.uint8)
     labels = np.array([0, 1, 2, 3, 4, 0])
     write_records(tmp_path, "images", images, labels)
-    x, y = next(iter(read_dataset(str(tmp_path), "images", [8, 8, 3], classes=5, batch_size=6, rank=0, size=1,
-                                  seed=0, shuffle_buffer=1)))
-    assert x.dtype == tf.float32 and y.dtype == tf.int32 and x.shape == (6, 8, 8, 3)
-    np.testing.assert_array_equal(x.numpy(), images / np.float32(255))
+    x, y = next(iter(read_images(tmp_path, batch_size=6, shape=[8, 8, 3])))
+    assert (x.dtype, y.dtype, x.shape, y.shape) == (tf.float32, tf.int32, (6, 8, 8, 3), (6,))
+    np.testing.assert_array_equal(x.numpy(), images / np.float32(255))  # one file, no shuffle: written order
     np.testing.assert_array_equal(y.numpy(), labels)
 
 
 def test_volumes_round_trip_exactly(tmp_path):
     rng = np.random.default_rng(1)
-    volumes = rng.normal(size=(2, 4, 6, 8, 2)).astype(np.float32)
-    masks = rng.integers(0, 3, size=(2, 4, 6, 8), dtype=np.uint8)
-    write_records(tmp_path, "volumes", volumes, masks, shards=2)
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
-    x, y = next(iter(read_dataset(str(tmp_path / "*.tfrecord"), "volumes", [4, 6, 8, 2], classes=3, batch_size=2,
-                                  rank=0, size=1, seed=0, shuffle_buffer=1)))
-    assert y.shape == (2, 4, 6, 8) and y.dtype == tf.int32
-    # Round-robin over 2 shards: sample 0 in file 0, sample 1 in file 1; read in file order.
-    np.testing.assert_array_equal(x.numpy(), volumes)
-    np.testing.assert_array_equal(y.numpy(), masks)
+    volumes = rng.normal(size=(3, 4, 6, 8, 2)).astype(np.float32)
+    masks = rng.integers(0, 3, size=(3, 4, 6, 8), dtype=np.uint8)
+    paths = write_records(tmp_path, "volumes", volumes, masks, shards=2)
+    assert [p.name for p in paths] == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in paths]  # no temporary files left
+    x, y = next(iter(read_dataset(str(tmp_path / "*.tfrecord"), "volumes", [4, 6, 8, 2], classes=3, batch_size=3,
+                                  rank=0, size=1, seed=0, shuffle_buffer=1, prefetch=0)))
+    assert (x.dtype, y.dtype, x.shape, y.shape) == (tf.float32, tf.int32, (3, 4, 6, 8, 2), (3, 4, 6, 8))
+    order = [int(np.flatnonzero(volumes[:, 0, 0, 0, 0] == value)[0]) for value in x.numpy()[:, 0, 0, 0, 0]]
+    assert sorted(order) == [0, 1, 2]  # files are shuffled; match samples by content
+    np.testing.assert_array_equal(x.numpy(), volumes[order])
+    np.testing.assert_array_equal(y.numpy(), masks[order])
 
 
-@pytest.mark.parametrize("shards", [4, 1], ids=["by-file", "by-record"])
+def test_samples_are_dealt_round_robin_over_the_shards(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(5), shards=2)
+    assert sample_ids(tmp_path / "data-00000-of-00002.tfrecord", 3) == [0, 2, 4]
+    assert sample_ids(tmp_path / "data-00001-of-00002.tfrecord", 2) == [1, 3]
+    assert tfrecord.records_per_shard(5, 2) == [3, 2]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sharding, shuffling, batching
+
+
+@pytest.mark.parametrize("shards", [4, 2, 1], ids=["by-file", "one-file-each", "by-record"])
 def test_two_ranks_read_disjoint_halves_that_cover_everything(tmp_path, shards):
     write_records(tmp_path, "images", *numbered_images(8), shards=shards)
-    rank0 = sample_ids(tmp_path, 0, 2, 4)
-    rank1 = sample_ids(tmp_path, 1, 2, 4)
+    rank0 = sample_ids(tmp_path, 4, rank=0, size=2)
+    rank1 = sample_ids(tmp_path, 4, rank=1, size=2)
     assert set(rank0).isdisjoint(rank1)
     assert sorted(rank0 + rank1) == list(range(8))
 
 
-def test_shuffling_is_seeded(tmp_path):
+def test_shards_by_file_only_when_every_rank_gets_a_file():
+    assert [tfrecord.shards_by_file(files, size=4) for files in (3, 4, 9)] == [False, True, True]
+
+
+def test_shuffling_is_seeded_and_differs_every_epoch(tmp_path):
     write_records(tmp_path, "images", *numbered_images(32))
-    first = sample_ids(tmp_path, 0, 1, 32, seed=7, shuffle_buffer=32)
-    assert first == sample_ids(tmp_path, 0, 1, 32, seed=7, shuffle_buffer=32)
-    assert first != sample_ids(tmp_path, 0, 1, 32, seed=8, shuffle_buffer=32)
-    assert sorted(first) == list(range(32))  # a permutation: nothing lost or repeated in an epoch
+    two_epochs = sample_ids(tmp_path, 64, seed=7, shuffle_buffer=32)
+    first, second = two_epochs[:32], two_epochs[32:]
+    assert sorted(first) == sorted(second) == list(range(32))  # each epoch a permutation: nothing lost
+    assert first != second and first != list(range(32))
+    assert two_epochs == sample_ids(tmp_path, 64, seed=7, shuffle_buffer=32)
+    assert first != sample_ids(tmp_path, 32, seed=8, shuffle_buffer=32)
+
+
+def test_the_shuffle_seed_is_offset_by_the_rank(tmp_path):
+    # One file per rank holding the same samples: only the seed can make their orders differ.
+    images, labels = numbered_images(16)
+    write_records(tmp_path / "a", "images", images, labels)
+    write_records(tmp_path / "b", "images", images, labels)
+    pattern = tmp_path / "*" / "*.tfrecord"
+    rank1_seed3 = sample_ids(pattern, 16, rank=1, size=2, seed=3, shuffle_buffer=16)
+    assert rank1_seed3 == sample_ids(pattern, 16, rank=0, size=2, seed=4, shuffle_buffer=16)
+    assert rank1_seed3 != sample_ids(pattern, 16, rank=0, size=2, seed=3, shuffle_buffer=16)
 
 
 def test_batches_are_full_and_repeat_forever(tmp_path):
     write_records(tmp_path, "images", *numbered_images(5))
-    dataset = read_dataset(str(tmp_path), "images", [4, 4, 3], classes=5, batch_size=2, rank=0, size=1, seed=0)
-    shapes = [tuple(x.shape) for x, _ in dataset.take(7)]  # 14 samples from 5: it repeats
-    assert shapes == [(2, 4, 4, 3)] * 7
+    batches = list(read_images(tmp_path, batch_size=2).take(7))  # 14 samples from 5: it repeats
+    assert [tuple(x.shape) for x, _ in batches] == [(2, 4, 4, 3)] * 7
+    assert [tuple(y.shape) for _, y in batches] == [(2,)] * 7
+
+
+def test_batch_shape_is_static_for_the_traced_step(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(5))
+    x_spec, y_spec = read_images(tmp_path, batch_size=2).element_spec
+    assert (x_spec.shape.as_list(), y_spec.shape.as_list()) == ([2, 4, 4, 3], [2])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reader errors
 
 
 def test_no_files_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path: no TFRecord files at .*nothing-here"):
-        read_dataset(str(tmp_path / "nothing-here"), "images", [4, 4, 3], 5, 1, 0, 1, 0)
+        read_images(tmp_path / "nothing-here")
+    with pytest.raises(FileNotFoundError, match=r"no TFRecord files at .*\*\.tfrecord"):
+        read_images(tmp_path / "*.tfrecord")
 
 
-def test_a_record_of_another_shape_stops_with_both_shapes(tmp_path):
-    write_records(tmp_path, "images", *numbered_images(2, shape=(4, 4, 3)))
-    dataset = read_dataset(str(tmp_path), "images", [4, 4, 1], 5, 1, 0, 1, 0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"differs from model.input_shape \[4, 4, 1\]"):
+def test_records_of_another_shape_fail_at_once_naming_both_shapes(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(2))
+    with pytest.raises(ValueError, match=r"have shape \[4, 4, 3\]; model.input_shape is \[4, 4, 1\]"):
+        read_images(tmp_path, shape=[4, 4, 1])
+
+
+def test_a_later_record_of_another_shape_stops_training_naming_both_shapes(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(2), prefix="a")
+    write_records(tmp_path, "images", *numbered_images(2, shape=(4, 4, 1)), prefix="b")
+    dataset = read_images(tmp_path, shape=[4, 4, 3], batch_size=4)  # 4 of 4 samples: one is from b
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"a record has shape \[4 4 1\] but model.input_shape is \[4 4 3\]"):
         next(iter(dataset))
 
 
-def test_a_label_beyond_the_classes_stops_training(tmp_path):
-    images, _ = numbered_images(2)
-    write_records(tmp_path, "images", images, np.array([1, 9]))
-    dataset = read_dataset(str(tmp_path), "images", [4, 4, 3], classes=5, batch_size=2, rank=0, size=1, seed=0)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="not below model.classes = 5"):
+def test_files_of_the_other_kind_are_named(tmp_path):
+    write_records(tmp_path, "volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 2), np.uint8))
+    with pytest.raises(ValueError, match="lack feature.* image, label .* they look like volumes"):
+        read_images(tmp_path, shape=[2, 2, 2])
+
+
+def test_a_rank_without_records_fails_at_once(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(1))
+    with pytest.raises(ValueError, match="rank 1 of 2 gets no records"):
+        read_images(tmp_path, rank=1, size=2)
+
+
+@pytest.mark.parametrize("label", [9, -1])
+def test_a_label_outside_the_classes_stops_training(tmp_path, label):
+    # Written by hand: write_records itself refuses negative labels.
+    with tf.io.TFRecordWriter(str(tmp_path / "foreign.tfrecord")) as writer:
+        for image, good in zip(*numbered_images(2)):
+            writer.write(tfrecord._encode("images", image, good))
+        writer.write(tfrecord._encode("images", numbered_images(1)[0][0], label))
+    dataset = read_images(tmp_path, batch_size=3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"\[0, model.classes = 5\).* to {max(label, 1)}"):
         next(iter(dataset))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writer
 
 
 @pytest.mark.parametrize("kind, inputs, labels, message", [
-    ("images", np.zeros((2, 4, 4), np.uint8), np.zeros(2, np.int64), r"inputs must be \[N, H, W, C\]"),
-    ("images", np.zeros((2, 4, 4, 3), np.float32), np.zeros(2, np.int64), "inputs must be uint8"),
-    ("images", np.zeros((2, 4, 4, 3), np.uint8), np.zeros(3, np.int64), r"labels must be \[N\] = \[2\]"),
-    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 3), np.uint8), "masks must be"),
-    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.full((1, 2, 2, 2), 300), "must be <= 255"),
+    ("images", np.zeros((2, 4, 4), np.uint8), np.zeros(2, np.int64), r"\[N, H, W, C\].*add a channel axis"),
+    ("images", np.zeros((2, 4, 4, 3), np.float32), np.zeros(2, np.int64), r"inputs must be uint8; got float32 \(from"),
+    ("images", np.zeros((2, 4, 4, 3), np.uint8), np.zeros(3, np.int64), r"labels must be \[N\] = \[2\]; got \[3\]"),
+    ("images", np.zeros((2, 4, 4, 3), np.uint8), np.zeros(2, np.float32), "labels must be integers"),
+    ("images", np.zeros((2, 4, 4, 3), np.uint8), np.array([0, -3]), "labels must be >= 0; got -3"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1)), np.zeros((1, 2, 2, 2), np.uint8), "must be float32; got float64"),
+    ("volumes", np.full((1, 2, 2, 2, 1), np.nan, np.float32), np.zeros((1, 2, 2, 2), np.uint8), "NaN"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 3), np.uint8), r"masks must be \[N, D"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.full((1, 2, 2, 2), 300), "must be <= 255; got 300"),
+    ("pictures", np.zeros((1, 2, 2, 1), np.uint8), np.zeros(1, np.int64), "kind must be one of images, volumes"),
 ])
 def test_writer_rejects_bad_arrays_and_writes_nothing(tmp_path, kind, inputs, labels, message):
     with pytest.raises(ValueError, match=message):
@@ -105,43 +190,123 @@ def test_writer_rejects_bad_arrays_and_writes_nothing(tmp_path, kind, inputs, la
     assert not (tmp_path / "out").exists()
 
 
+def test_boolean_masks_are_labels_0_and_1(tmp_path):
+    masks = np.array([[[[True, False], [False, True]]] * 2])
+    write_records(tmp_path, "volumes", np.zeros((1, 2, 2, 2, 1), np.float32), masks)
+    _, y = next(iter(read_dataset(str(tmp_path), "volumes", [2, 2, 2, 1], 2, 1, 0, 1, 0)))
+    np.testing.assert_array_equal(y.numpy(), masks.astype(np.int32))
+
+
+def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
+    encode, written = tfrecord._encode, []
+
+    def fail_on_the_third(*args):
+        written.append(1)
+        if len(written) == 3:
+            raise OSError("disk full")
+        return encode(*args)
+
+    monkeypatch.setattr(tfrecord, "_encode", fail_on_the_third)
+    with pytest.raises(OSError, match="disk full"):
+        write_records(tmp_path / "new", "images", *numbered_images(4), shards=2)
+    assert not (tmp_path / "new").exists()  # the directory it made is gone too
+    written.clear()
+    with pytest.raises(OSError):
+        write_records(tmp_path, "images", *numbered_images(4), shards=2)
+    assert list(tmp_path.iterdir()) == []  # the directory that was there stays, empty
+
+
+def test_writer_refuses_to_mix_with_shards_of_the_same_prefix(tmp_path):
+    write_records(tmp_path, "images", *numbered_images(4), shards=2)
+    with pytest.raises(FileExistsError, match="already holds data-00000-of-00002.tfrecord"):
+        write_records(tmp_path, "images", *numbered_images(4), shards=4)
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The converter, `lms-launch tfrecord`
+
+
 def test_converter_writes_learnable_synthetic_volumes(tmp_path, capsys):
     status = convert.main(["--kind", "volumes", "--out", str(tmp_path), "--synthetic", "3", "--shape", "8,8,8,2",
                            "--classes", "3", "--shards", "3"])
     assert status == 0
-    assert len(list(tmp_path.glob("data-*-of-00003.tfrecord"))) == 3
-    assert "wrote 3 volumes ([8, 8, 8, 2]) to 3 file(s)" in capsys.readouterr().out
-    x, y = next(iter(read_dataset(str(tmp_path), "volumes", [8, 8, 8, 2], 3, 3, 0, 1, 0)))
-    assert sorted(np.unique(y.numpy())) == [0, 1, 2]  # every label occurs
+    paths = sorted(tmp_path.glob("data-*-of-00003.tfrecord"))
+    assert len(paths) == 3
+    out = capsys.readouterr().out
+    assert "wrote 3 volumes ([8, 8, 8, 2]) to 3 file(s)" in out
+    assert f"{paths[0]}  1 records  {paths[0].stat().st_size:,} bytes" in out
+    _, y = next(iter(read_dataset(str(tmp_path), "volumes", [8, 8, 8, 2], 3, 3, 0, 1, 0)))
+    counts = np.bincount(y.numpy().ravel(), minlength=3)
+    assert counts.min() > 0.3 * y.numpy().size  # every label about a third of the voxels
 
 
-def test_converter_reads_npz(tmp_path):
+def test_synthetic_mask_is_a_function_of_each_voxels_neighbourhood():
+    volumes, masks = convert.synthetic("volumes", 2, [6, 6, 6, 1], classes=2, seed=0)
+    means = convert.box_blur_3d(volumes[..., 0])
+    assert means[1, 2, 3, 4] == pytest.approx(volumes[1, 1:4, 2:5, 3:6, 0].mean(), rel=1e-5)
+    assert means[masks == 1].min() > means[masks == 0].max()  # one threshold separates the labels
+
+
+def test_synthetic_image_labels_are_brightness_bins():
+    images, labels = convert.synthetic("images", 200, [8, 8, 3], classes=4, seed=0)
+    brightness = images.reshape(200, -1).mean(axis=1)
+    per_label = [brightness[labels == label].mean() for label in range(4)]
+    assert per_label == sorted(per_label) and np.bincount(labels).min() > 30
+
+
+def test_converter_reads_npz(tmp_path, capsys):
     images, labels = numbered_images(4)
     np.savez(tmp_path / "d.npz", images=images, labels=labels)
-    assert convert.main(["--kind", "images", "--out", str(tmp_path / "out"), "--from-npz", str(tmp_path / "d.npz")]) == 0
-    assert sorted(sample_ids(tmp_path / "out", 0, 1, 4)) == [0, 1, 2, 3]
+    args = ["--kind", "images", "--out", str(tmp_path / "out"), "--from-npz", str(tmp_path / "d.npz"), "--shards", "2"]
+    assert convert.main(args) == 0
+    assert "  2 records  " in capsys.readouterr().out
+    assert sorted(sample_ids(tmp_path / "out", 4)) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--kind", "images", "--from-npz", "{tmp}/d.npz"], "has no array(s) labels (it has: images, masks)"),
+    (["--kind", "volumes", "--from-npz", "{tmp}/d.npz"], "has no array(s) volumes (it has: images, masks)"),
     (["--kind", "volumes", "--from-npz", "{tmp}/missing.npz"], "missing.npz does not exist"),
+    (["--kind", "images", "--from-npz", "{tmp}/one.npy"], "holds a single array"),
+    (["--kind", "images", "--from-npz", "{tmp}/float.npz"], "inputs must be uint8; got float64"),
+    (["--kind", "images", "--from-npz", "{tmp}/d.npz", "--shape", "4,4,3"], "--shape only apply with --synthetic"),
     (["--kind", "images", "--synthetic", "4"], "--synthetic needs --shape"),
-    (["--kind", "images", "--synthetic", "4", "--shape", "8,8"], "images take 3 positive sizes"),
+    (["--kind", "images", "--synthetic", "4", "--shape", "8,8"], "images take 3 positive sizes [H, W, C]"),
+    (["--kind", "volumes", "--synthetic", "4", "--shape", "8,8,8,1", "--classes", "300"], "in [2, 256]"),
     (["--kind", "images", "--synthetic", "2", "--shape", "8,8,3", "--shards", "4"], "cannot fill 4 shards"),
     (["--kind", "pictures", "--synthetic", "4"], "invalid choice: 'pictures'"),
 ])
 def test_converter_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, message):
     np.savez(tmp_path / "d.npz", images=np.zeros((2, 4, 4, 3), np.uint8), masks=np.zeros(2))
+    np.savez(tmp_path / "float.npz", images=np.zeros((2, 4, 4, 3)), labels=np.zeros(2, np.int64))
+    np.save(tmp_path / "one.npy", np.zeros(2))
     out = tmp_path / "out"
     assert convert.main([a.replace("{tmp}", str(tmp_path)) for a in args] + ["--out", str(out)]) == 2
     assert message in capsys.readouterr().err
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
-def test_converter_does_not_overwrite_existing_files(tmp_path, capsys):
+def test_converter_out_that_cannot_be_a_directory_exits_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        args = ["--kind", "images", "--out", str(out), "--synthetic", "2", "--shape", "4,4,3"]
+        assert convert.main(args) == 2
+        assert f"--out {out}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_converter_does_not_mix_with_existing_files(tmp_path, capsys):
     args = ["--kind", "images", "--out", str(tmp_path), "--synthetic", "2", "--shape", "4,4,3"]
     assert convert.main(args) == 0
     before = (tmp_path / "data-00000-of-00001.tfrecord").read_bytes()
-    assert convert.main(args + ["--seed", "5"]) == 2
+    assert convert.main(args + ["--shards", "2"]) == 2  # another shard count would still mix in
     assert "already has data-00000-of-00001.tfrecord" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["data-00000-of-00001.tfrecord"]
     assert (tmp_path / "data-00000-of-00001.tfrecord").read_bytes() == before
+    assert convert.main(args + ["--prefix", "more"]) == 0
+
+
+def test_converter_help_exits_0(capsys):
+    assert convert.main(["--help"]) == 0
+    assert "--from-npz" in capsys.readouterr().out

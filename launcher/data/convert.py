@@ -1,7 +1,7 @@
 """`lms-launch tfrecord`: write training data as TFRecord files in the schema of launcher.data.tfrecord.
 
-    lms-launch tfrecord --kind images  --out DIR --from-npz data.npz            # arrays images, labels
-    lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz            # arrays volumes, masks
+    lms-launch tfrecord --kind images  --out DIR --from-npz data.npz      # arrays `images`, `labels`
+    lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz      # arrays `volumes`, `masks`
     lms-launch tfrecord --kind images  --out DIR --synthetic 256 --shape 64,64,3 --classes 10
 
 Exit status 0 when the files are written, 2 for bad input (nothing is written then).
@@ -14,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.data.tfrecord import KINDS, check_arrays, shard_names, write_records
+from launcher.data.tfrecord import (
+    KINDS, MAX_MASK_LABEL, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
+)
 
 NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks")}
+"""The arrays an .npz must hold for each kind: the inputs, then the labels."""
 
 
 class ConvertError(Exception):
@@ -30,98 +33,157 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lms-launch tfrecord", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", required=True, choices=KINDS)
-    p.add_argument("--out", required=True, help="directory for the .tfrecord files")
-    p.add_argument("--shards", type=int, default=1, help="files to spread the samples over (>= number of ranks "
-                                                         "lets each rank read only its own files)")
-    p.add_argument("--prefix", default="data", help="file name prefix")
+    p.add_argument("--kind", required=True, choices=KINDS, help="images (ResNet-50) or volumes (3D U-Net)")
+    p.add_argument("--out", required=True, type=Path, help="directory for the .tfrecord files")
+    p.add_argument("--shards", type=int, default=1, help="files to deal the samples over; at least the number of "
+                                                         "ranks lets each rank read only its own files")
+    p.add_argument("--prefix", default="data", help="file name prefix (default: data)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--from-npz", metavar="FILE", help="NumPy .npz with images+labels or volumes+masks")
+    source.add_argument("--from-npz", metavar="FILE", type=Path, help="NumPy .npz with images+labels or volumes+masks")
     source.add_argument("--synthetic", type=int, metavar="N", help="N learnable synthetic samples")
     p.add_argument("--shape", help="with --synthetic: one sample's shape, e.g. 64,64,3 or 32,32,32,4")
-    p.add_argument("--classes", type=int, default=10, help="with --synthetic: number of labels")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--classes", type=int, help="with --synthetic: number of labels (default 10)")
+    p.add_argument("--seed", type=int, help="with --synthetic: random seed (default 0)")
     return p
 
 
-def load_npz(path: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    file = Path(path)
-    if not file.is_file():
-        raise ConvertError(f"--from-npz: {file} does not exist")
+def load_npz(path: Path, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs and labels of `kind` from an .npz, or ConvertError naming what is missing."""
+    if not path.is_file():
+        raise ConvertError(f"--from-npz: {path} does not exist")
     try:
-        arrays = np.load(file)
+        arrays = np.load(path)  # allow_pickle stays off: an .npz of data needs no code
     except (OSError, ValueError) as err:
-        raise ConvertError(f"--from-npz: {file} is not a NumPy .npz file ({err})") from None
-    names = NPZ_ARRAYS[kind]
-    missing = [name for name in names if name not in arrays.files]
-    if missing:
-        raise ConvertError(f"--from-npz: {file} has no array(s) {', '.join(missing)} (it has: "
-                           f"{', '.join(arrays.files) or 'none'}); --kind {kind} needs {' and '.join(names)}")
-    return arrays[names[0]], arrays[names[1]]
+        raise ConvertError(f"--from-npz: {path} is not a NumPy .npz file ({err})") from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+        raise ConvertError(f"--from-npz: {path} holds a single array; save both with "
+                           f"np.savez(FILE, {'=..., '.join(NPZ_ARRAYS[kind])}=...)")
+    with arrays:
+        names = NPZ_ARRAYS[kind]
+        missing = [name for name in names if name not in arrays.files]
+        if missing:
+            raise ConvertError(f"--from-npz: {path} has no array(s) {', '.join(missing)} (it has: "
+                               f"{', '.join(arrays.files) or 'none'}); --kind {kind} needs {' and '.join(names)}")
+        try:
+            return arrays[names[0]], arrays[names[1]]
+        except ValueError as err:  # object arrays, which would need pickle
+            raise ConvertError(f"--from-npz: {path}: {err}") from None
+
+
+def parse_shape(text: str, kind: str) -> list[int]:
+    layout = SCHEMAS[kind].layout
+    try:
+        shape = [int(size) for size in text.split(",")]
+    except ValueError:
+        raise ConvertError(f"--shape {text!r}: expected comma-separated integers {layout}") from None
+    if len(shape) != SCHEMAS[kind].sample_rank or min(shape) < 1:
+        raise ConvertError(f"--shape: {kind} take {SCHEMAS[kind].sample_rank} positive sizes {layout}; got {text}")
+    return shape
 
 
 def synthetic(kind: str, count: int, shape: list[int], classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Samples whose labels follow from their content, so a model can learn them: an image's class is
-    its brightness bin; a voxel's label is the bin of a smoothed first channel (blobs, like tumours)."""
+    """Samples whose labels follow from their content, so a model can learn them rather than memorise
+    noise: an image's class is its brightness bin; a voxel's label is the bin of its neighbourhood's
+    mean in the first channel (blobs, like tumours). Bins are equally likely."""
     rng = np.random.default_rng(seed)
     if kind == "images":
-        brightness = rng.uniform(0, 1, size=count)
-        noise = rng.uniform(-0.2, 0.2, size=(count, *shape))
+        brightness = rng.random(count, dtype=np.float32)
+        noise = rng.uniform(-0.2, 0.2, size=(count, *shape)).astype(np.float32)
         images = np.clip(brightness.reshape(-1, 1, 1, 1) + noise, 0, 1)
         labels = np.minimum((brightness * classes).astype(np.int64), classes - 1)
-        return (images * 255).astype(np.uint8), labels
-    volumes = rng.uniform(0, 1, size=(count, *shape)).astype(np.float32)
-    smooth = volumes[..., 0]
-    for axis in (1, 2, 3):  # a box blur along each spatial axis
-        smooth = (np.roll(smooth, 1, axis) + smooth + np.roll(smooth, -1, axis)) / 3
-    lo, hi = smooth.min(), smooth.max()
-    masks = np.minimum(((smooth - lo) / max(hi - lo, 1e-6) * classes).astype(np.uint8), classes - 1)
-    return volumes, masks
+        return np.round(images * 255).astype(np.uint8), labels
+    volumes = rng.random((count, *shape), dtype=np.float32)
+    smooth = box_blur_3d(volumes[..., 0])
+    # Quantile cut points make the labels equally frequent; cuts from the value range would leave the
+    # outer labels almost empty (a mean of 27 values clusters around 0.5).
+    cuts = np.quantile(smooth, np.arange(1, classes) / classes)
+    return volumes, np.digitize(smooth, cuts).astype(np.uint8)
+
+
+def box_blur_3d(values: np.ndarray) -> np.ndarray:
+    """The mean over each voxel's 3x3x3 neighbourhood of [N, D, H, W] values, zeros beyond the edges:
+    exactly what one Conv3D with `padding="same"` can compute, so the labels are learnable to the edge."""
+    out = values
+    for axis in (1, 2, 3):
+        padding = [(0, 0)] * out.ndim
+        padding[axis] = (1, 1)
+        padded = np.pad(out, padding)
+        size = out.shape[axis]
+        out = sum(np.take(padded, np.arange(shift, shift + size), axis=axis) for shift in range(3)) / 3
+    return out.astype(np.float32)
+
+
+def samples_from(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays to write, from --from-npz or --synthetic, checked against the schema."""
+    if args.from_npz:
+        given = [flag for flag, value in (("--shape", args.shape), ("--classes", args.classes), ("--seed", args.seed))
+                 if value is not None]
+        if given:
+            raise ConvertError(f"{', '.join(given)} only apply with --synthetic")
+        inputs, labels = load_npz(args.from_npz, args.kind)
+    else:
+        inputs, labels = synthetic(args.kind, *synthetic_settings(args))
+    try:
+        check_arrays(args.kind, inputs, labels)
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
+    return inputs, labels
+
+
+def synthetic_settings(args: argparse.Namespace) -> tuple[int, list[int], int, int]:
+    if args.synthetic < 1:
+        raise ConvertError(f"--synthetic must be >= 1; got {args.synthetic}")
+    if not args.shape:
+        raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images) or 32,32,32,4 (volumes)")
+    shape = parse_shape(args.shape, args.kind)
+    classes = 10 if args.classes is None else args.classes
+    most = MAX_MASK_LABEL + 1 if args.kind == "volumes" else None
+    if classes < 2 or (most and classes > most):
+        rule = f"in [2, {most}] (masks are uint8)" if most else ">= 2"
+        raise ConvertError(f"--classes must be {rule}; got {classes}")
+    return args.synthetic, shape, classes, 0 if args.seed is None else args.seed
+
+
+def check_out(args: argparse.Namespace, samples: int) -> None:
+    """Everything about --out and --shards that can be known before writing."""
+    if args.shards < 1:
+        raise ConvertError(f"--shards must be >= 1; got {args.shards}")
+    if samples < args.shards:
+        raise ConvertError(f"{samples} samples cannot fill {args.shards} shards; use fewer --shards")
+    if not args.prefix or "/" in args.prefix or args.prefix.startswith("."):
+        raise ConvertError(f"--prefix {args.prefix!r} must be a plain file name start (no '/', not hidden)")
+    if args.out.exists() and not args.out.is_dir():
+        raise ConvertError(f"--out {args.out} is a file, not a directory")
+    clash = existing_shards(args.out, args.prefix) if args.out.is_dir() else []
+    if clash:
+        raise ConvertError(f"--out {args.out} already has {clash[0].name}; a reader of the directory would mix the "
+                           f"old and new files: choose another --out or --prefix, or remove them")
+
+
+def report(paths: list[Path], kind: str, inputs: np.ndarray, out: Path) -> None:
+    counts = records_per_shard(len(inputs), len(paths))
+    sizes = [path.stat().st_size for path in paths]
+    print(f"wrote {len(inputs)} {kind} ({list(inputs.shape[1:])}) to {len(paths)} file(s), {sum(sizes):,} bytes:")
+    for path, count, size in zip(paths, counts, sizes):
+        print(f"  {path}  {count} records  {size:,} bytes")
+    print(f"train on them with: --set data.source=tfrecord --set data.path={out}")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
-        if args.shards < 1:
-            raise ConvertError(f"--shards must be >= 1; got {args.shards}")
-        if args.from_npz:
-            inputs, labels = load_npz(args.from_npz, args.kind)
-        else:
-            if args.synthetic < 1:
-                raise ConvertError(f"--synthetic must be >= 1; got {args.synthetic}")
-            if not args.shape:
-                raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images) or 32,32,32,4 (volumes)")
-            try:
-                shape = [int(d) for d in args.shape.split(",")]
-            except ValueError:
-                raise ConvertError(f"--shape {args.shape!r}: expected comma-separated integers") from None
-            want = 3 if args.kind == "images" else 4
-            if len(shape) != want or min(shape) < 1:
-                raise ConvertError(f"--shape: {args.kind} take {want} positive sizes; got {args.shape}")
-            if args.classes < 2:
-                raise ConvertError(f"--classes must be >= 2; got {args.classes}")
-            inputs, labels = synthetic(args.kind, args.synthetic, shape, args.classes, args.seed)
+        inputs, labels = samples_from(args)
+        check_out(args, len(inputs))
         try:
-            check_arrays(args.kind, inputs, labels)
-        except ValueError as err:
-            raise ConvertError(str(err)) from None
-        out = Path(args.out)
-        clobbered = [name for name in shard_names(args.prefix, args.shards) if (out / name).exists()]
-        if clobbered:
-            raise ConvertError(f"--out {out} already has {clobbered[0]}; choose another --out or --prefix")
-        try:
-            paths = write_records(out, args.kind, inputs, labels, shards=args.shards, prefix=args.prefix)
-        except (OSError, ValueError) as err:
-            raise ConvertError(f"cannot write to --out {out}: {err}") from None
+            paths = write_records(args.out, args.kind, inputs, labels, shards=args.shards, prefix=args.prefix)
+        except OSError as err:  # not writable, disk full, ...: write_records has removed what it wrote
+            raise ConvertError(f"cannot write to --out {args.out}: {err}") from None
     except ConvertError as err:
         print(f"lms-launch tfrecord: error: {err}", file=sys.stderr)
         return 2
-    total = sum(p.stat().st_size for p in paths)
-    print(f"wrote {len(inputs)} {args.kind} ({list(inputs.shape[1:])}) to {len(paths)} file(s), "
-          f"{total / 2**20:.1f} MiB:")
-    for path in paths:
-        print(f"  {path}")
-    print(f"train on them with: --set data.source=tfrecord --set data.path={out}")
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
+    report(paths, args.kind, inputs, args.out)
     return 0
 
 

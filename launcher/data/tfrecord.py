@@ -1,106 +1,206 @@
 """TFRecord files of training samples: one documented schema, a writer, and a per-rank reader.
 
-Two kinds of record, raw bytes (no JPEG: decoding would make the input pipeline, not the model, the
-thing being measured):
+Each record is a `tf.train.Example` holding one sample, stored raw (no JPEG: decoding would make the
+input pipeline, not the model, the thing being measured):
 
-images   `image` bytes: uint8, H*W*C, row-major    `label` int64: the class    `shape` int64 [H, W, C]
-volumes  `volume` bytes: float32, D*H*W*C          `mask` bytes: uint8, D*H*W, the label of each voxel
-         `shape` int64 [D, H, W, C]
+    kind      feature   type         content
+    images    image     bytes        uint8, H*W*C values, row-major (C fastest)
+              label     int64        the class, in [0, model.classes)
+              shape     int64 list   [H, W, C]
+    volumes   volume    bytes        float32 (little-endian), D*H*W*C values, row-major (C fastest)
+              mask      bytes        uint8, D*H*W values: the label of each voxel, in [0, model.classes)
+              shape     int64 list   [D, H, W, C]
 
-Files are named `<prefix>-00000-of-00004.tfrecord`; samples go round-robin over the shards.
+Files are named `<prefix>-00000-of-00004.tfrecord`; samples are dealt round-robin over the shards.
+docs/data.md is the user-facing version of this page.
 """
 from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-KINDS = ("images", "volumes")
-_INPUT_KEY = {"images": "image", "volumes": "volume"}
-_LABEL_KEY = {"images": "label", "volumes": "mask"}
-_INPUT_DTYPE = {"images": np.uint8, "volumes": np.float32}
-_SAMPLE_RANK = {"images": 3, "volumes": 4}
+if TYPE_CHECKING:  # TensorFlow is imported lazily: `lms-launch --help` and recipe checks stay fast.
+    import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class RecordSchema:
+    """The features of one kind of record."""
+
+    kind: str
+    input_key: str
+    input_dtype: type
+    label_key: str
+    layout: str
+    """One sample's axes, as users write them in messages: `[H, W, C]` or `[D, H, W, C]`."""
+
+    @property
+    def sample_rank(self) -> int:
+        return self.layout.count(",") + 1
+
+    @property
+    def features(self) -> tuple[str, str, str]:
+        return (self.input_key, self.label_key, "shape")
+
+
+SCHEMAS = {
+    "images": RecordSchema("images", "image", np.uint8, "label", "[H, W, C]"),
+    "volumes": RecordSchema("volumes", "volume", np.float32, "mask", "[D, H, W, C]"),
+}
+KINDS = tuple(SCHEMAS)
+MAX_MASK_LABEL = 255  # masks are stored one uint8 per voxel
+
+
+def schema_of(kind: str) -> RecordSchema:
+    if kind not in SCHEMAS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    return SCHEMAS[kind]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing
 
 
 def check_arrays(kind: str, inputs: np.ndarray, labels: np.ndarray) -> None:
-    """Raises ValueError naming what is wrong with a batch of samples for `kind`."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    want_rank = _SAMPLE_RANK[kind] + 1
-    if inputs.ndim != want_rank:
-        layout = "[N, H, W, C]" if kind == "images" else "[N, D, H, W, C]"
-        raise ValueError(f"{kind}: inputs must be {layout}; got shape {list(inputs.shape)}")
-    if inputs.dtype != _INPUT_DTYPE[kind]:
-        raise ValueError(f"{kind}: inputs must be {np.dtype(_INPUT_DTYPE[kind]).name}; got {inputs.dtype}")
+    """Raises ValueError naming what is wrong with `inputs` ([N, *sample]) and `labels` for `kind`."""
+    schema = schema_of(kind)
+    batch_layout = "[N, " + schema.layout[1:]
+    if inputs.ndim != schema.sample_rank + 1:
+        hint = " (add a channel axis with x[..., None])" if inputs.ndim == schema.sample_rank else ""
+        raise ValueError(f"{kind}: inputs must be {batch_layout}; got shape {list(inputs.shape)}{hint}")
+    if inputs.dtype != schema.input_dtype:
+        raise ValueError(f"{kind}: inputs must be {np.dtype(schema.input_dtype).name}; got {inputs.dtype}"
+                         + _dtype_hint(kind))
+    if kind == "volumes" and not np.isfinite(inputs).all():
+        raise ValueError("volumes: inputs hold NaN or infinite values, which would poison the loss")
+    _check_labels(kind, inputs.shape, labels)
+
+
+def _dtype_hint(kind: str) -> str:
     if kind == "images":
-        if labels.shape != (inputs.shape[0],):
-            raise ValueError(f"images: labels must be [N] = [{inputs.shape[0]}]; got {list(labels.shape)}")
-    elif labels.shape != inputs.shape[:4]:
-        raise ValueError(f"volumes: masks must be [N, D, H, W] = {list(inputs.shape[:4])}; got {list(labels.shape)}")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{kind}: labels must be integers; got {labels.dtype}")
+        return " (from floats in [0, 1]: (x * 255).round().astype(np.uint8))"
+    return " (convert with x.astype(np.float32), normalised as the model should see it)"
+
+
+def _check_labels(kind: str, input_shape: tuple[int, ...], labels: np.ndarray) -> None:
+    name = "labels" if kind == "images" else "masks"
+    want = input_shape[:1] if kind == "images" else input_shape[:4]
+    layout = "[N]" if kind == "images" else "[N, D, H, W]"
+    if labels.shape != want:
+        raise ValueError(f"{kind}: {name} must be {layout} = {list(want)}; got {list(labels.shape)}")
+    # Binary masks are often bool; they are labels 0 and 1.
+    if not (np.issubdtype(labels.dtype, np.integer) or labels.dtype == np.bool_):
+        raise ValueError(f"{kind}: {name} must be integers; got {labels.dtype}")
     if labels.size and labels.min() < 0:
-        raise ValueError(f"{kind}: labels must be >= 0; got {labels.min()}")
-    if kind == "volumes" and labels.size and labels.max() > 255:
-        raise ValueError(f"volumes: mask labels are stored as uint8 and must be <= 255; got {labels.max()}")
+        raise ValueError(f"{kind}: {name} must be >= 0; got {labels.min()}")
+    if kind == "volumes" and labels.size and labels.max() > MAX_MASK_LABEL:
+        raise ValueError(f"volumes: mask labels are stored as uint8 and must be <= {MAX_MASK_LABEL}; "
+                         f"got {labels.max()}")
 
 
 def shard_names(prefix: str, shards: int) -> list[str]:
-    return [f"{prefix}-{i:05d}-of-{shards:05d}.tfrecord" for i in range(shards)]
+    return [f"{prefix}-{index:05d}-of-{shards:05d}.tfrecord" for index in range(shards)]
+
+
+def records_per_shard(samples: int, shards: int) -> list[int]:
+    """How many samples each shard gets when `samples` are dealt round-robin."""
+    return [samples // shards + (index < samples % shards) for index in range(shards)]
+
+
+def existing_shards(out_dir: str | Path, prefix: str) -> list[Path]:
+    """Shards of any count already written with `prefix`: a reader of the directory would mix them in."""
+    return sorted(Path(out_dir).glob(f"{glob.escape(prefix)}-*-of-*.tfrecord"))
 
 
 def write_records(out_dir: str | Path, kind: str, inputs: np.ndarray, labels: np.ndarray, shards: int = 1,
                   prefix: str = "data") -> list[Path]:
-    """Writes the samples as `shards` TFRecord files in `out_dir` and returns their paths. Each file is
-    written under a temporary name and renamed when complete, so a failure leaves no partial file."""
-    import tensorflow as tf
+    """Writes `inputs` ([N, *sample]) and `labels` as `shards` TFRecord files in `out_dir`; returns them.
 
+    All files are written under temporary names and renamed only once every one is complete, so a
+    failure leaves no file (and no directory this call created). Refuses, with FileExistsError, to
+    write where shards with the same prefix exist: a reader of the directory would mix the two sets.
+    """
     check_arrays(kind, inputs, labels)
     if shards < 1:
         raise ValueError(f"shards must be >= 1; got {shards}")
     if len(inputs) < shards:
         raise ValueError(f"{len(inputs)} samples cannot fill {shards} shards; use fewer shards")
     out_dir = Path(out_dir)
+    clash = existing_shards(out_dir, prefix)
+    if clash:
+        raise FileExistsError(f"{out_dir} already holds {clash[0].name}; remove the old shards or use another prefix")
+
+    created_dir = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / name for name in shard_names(prefix, shards)]
-    temps = [path.with_name(f".{path.name}.partial") for path in paths]
-    label_dtype = np.int64 if kind == "images" else np.uint8
     try:
-        writers = [tf.io.TFRecordWriter(str(tmp)) for tmp in temps]
-        for index, (sample, label) in enumerate(zip(inputs, labels)):
-            writers[index % shards].write(_encode(kind, sample, np.asarray(label, dtype=label_dtype)))
-        for writer in writers:
-            writer.close()
-        for tmp, path in zip(temps, paths):
-            os.replace(tmp, path)
-    finally:
-        for tmp in temps:
-            tmp.unlink(missing_ok=True)
+        _write_atomically(paths, (_encode(kind, sample, label) for sample, label in zip(inputs, labels)))
+    except BaseException:
+        if created_dir and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
     return paths
 
 
-def _encode(kind: str, sample: np.ndarray, label: np.ndarray) -> bytes:
+def _write_atomically(paths: list[Path], records) -> None:
+    """Deals `records` round-robin into `paths`: temporary files first, then all renamed at once."""
+    import tensorflow as tf
+
+    temps = [path.with_name(f".{path.name}.partial") for path in paths]
+    renamed: list[Path] = []
+    writers = []
+    try:
+        writers = [tf.io.TFRecordWriter(str(temp)) for temp in temps]
+        for index, record in enumerate(records):
+            writers[index % len(writers)].write(record)
+        for writer in writers:
+            writer.close()  # flushes; a full disk fails here, before anything is renamed
+        for temp, path in zip(temps, paths):
+            os.replace(temp, path)
+            renamed.append(path)
+    except BaseException:
+        for path in renamed:  # a rename failed half-way: no set of shards is better than part of one
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        for writer in writers:
+            writer.close()  # closing twice is harmless; an open handle would keep a deleted file alive
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+
+
+def _encode(kind: str, sample: np.ndarray, label: np.ndarray | np.integer) -> bytes:
     import tensorflow as tf
 
     def int64s(values) -> tf.train.Feature:
         return tf.train.Feature(int64_list=tf.train.Int64List(value=[int(v) for v in values]))
 
-    def raw(array: np.ndarray) -> tf.train.Feature:
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[np.ascontiguousarray(array).tobytes()]))
+    def raw(array: np.ndarray, dtype: type) -> tf.train.Feature:
+        # Fixed little-endian bytes, so files move between machines; decode_raw reads little-endian.
+        data = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[data]))
 
-    feature = {_INPUT_KEY[kind]: raw(sample), "shape": int64s(sample.shape)}
-    feature[_LABEL_KEY[kind]] = int64s([label]) if kind == "images" else raw(label)
+    schema = SCHEMAS[kind]
+    feature = {schema.input_key: raw(sample, schema.input_dtype), "shape": int64s(sample.shape)}
+    feature[schema.label_key] = int64s([label]) if kind == "images" else raw(label, np.uint8)
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading
 
 
 def find_files(path: str) -> list[str]:
     """A file, a directory (its `*.tfrecord` files) or a glob, sorted so every rank sees one order."""
     if os.path.isdir(path):
-        files = glob.glob(os.path.join(path, "*.tfrecord"))
-    elif any(ch in path for ch in "*?["):
-        files = glob.glob(path)
+        files = glob.glob(os.path.join(glob.escape(path), "*.tfrecord"))
+    elif glob.has_magic(path):
+        files = [name for name in glob.glob(path) if os.path.isfile(name)]
     else:
         files = [path] if os.path.isfile(path) else []
     if not files:
@@ -109,55 +209,137 @@ def find_files(path: str) -> list[str]:
     return sorted(files)
 
 
-def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, batch_size: int, rank: int,
-                 size: int, seed: int, shuffle_buffer: int = 1024, prefetch: int = 2):
-    """Batches `(x, y)` for one rank, forever: x float32 (images scaled to [0, 1]), y int32 labels
-    ([batch] for images, [batch, D, H, W] for volumes).
+def shards_by_file(files: int, size: int) -> bool:
+    """Whether ranks split the files (each reads only its own) rather than the records of all files."""
+    return files >= size
 
-    Sharding: with at least as many files as ranks each rank reads its own files (no rank reads bytes
-    it throws away); otherwise every rank reads all files and keeps every size-th record. A record
-    whose shape differs from `input_shape`, or a label outside [0, classes), stops training with an
-    error naming both.
+
+def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, batch_size: int, rank: int,
+                 size: int, seed: int, shuffle_buffer: int = 1024, prefetch: int = 2) -> "tf.data.Dataset":
+    """Batches `(x, y)` for one rank of `size`, forever: x float32 [batch, *input_shape] (images scaled
+    to [0, 1], volumes as stored), y int32 [batch] (images) or [batch, D, H, W] (volumes).
+
+    Sharding: with at least `size` files, rank r reads files r, r+size, ... (no rank reads bytes it
+    throws away) and shuffles their order every epoch; otherwise every rank reads all files in order
+    and keeps records r, r+size, .... Then: shuffle (seeded with seed + rank, so ranks differ and runs
+    repeat), repeat, batch dropping the remainder (every step has one shape), decode, prefetch
+    `prefetch` batches (0: none).
+
+    Reads this rank's first record now, so the common mistakes fail here with a ValueError: no
+    record for this rank, files of the other kind, a shape other than `input_shape`. A later record
+    of another shape, or a label outside [0, classes), stops iteration with InvalidArgumentError
+    naming the record's value and the recipe's.
     """
     import tensorflow as tf
 
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    schema = schema_of(kind)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, {size}); got {rank}")
     files = find_files(path)
-    dataset = tf.data.Dataset.from_tensor_slices(files)
-    if len(files) >= size:
-        dataset = dataset.shard(size, rank)
-        dataset = tf.data.TFRecordDataset(dataset)
-    else:
-        dataset = tf.data.TFRecordDataset(dataset).shard(size, rank)
-    input_key, label_key = _INPUT_KEY[kind], _LABEL_KEY[kind]
+    rank_seed = seed + rank
+    records = _records_of_rank(files, rank, size)
+    _check_first_record(records, schema, input_shape, path, rank, size, len(files))
+
+    if shards_by_file(len(files), size):
+        records = _records_of_rank(files, rank, size, shuffle_files_seed=rank_seed)
+    dataset = records.shuffle(shuffle_buffer, seed=rank_seed, reshuffle_each_iteration=True).repeat()
+    # Decoding whole batches is one op per feature per batch instead of per sample (tf.data guide,
+    # "vectorized mapping"); the serialized records are also what the shuffle buffer holds, which for
+    # images is a quarter of their float32 size.
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    dataset = dataset.map(_batch_decoder(schema, input_shape, classes), num_parallel_calls=tf.data.AUTOTUNE,
+                          deterministic=True)
+    return dataset.prefetch(prefetch) if prefetch > 0 else dataset
+
+
+def _records_of_rank(files: list[str], rank: int, size: int, shuffle_files_seed: int | None = None
+                     ) -> "tf.data.Dataset":
+    """This rank's serialized records, by file or by record (see `read_dataset`)."""
+    import tensorflow as tf
+
+    names = tf.data.Dataset.from_tensor_slices(files)
+    if not shards_by_file(len(files), size):
+        # Every rank must see the records in one order for `shard` to split them, so files are read
+        # one after another and never shuffled here.
+        return tf.data.TFRecordDataset(names).shard(size, rank)
+    names = names.shard(size, rank)
+    if shuffle_files_seed is not None:
+        # Records sit in files in the order they were written; shuffling files each epoch mixes
+        # more than a shuffle buffer smaller than a file can.
+        names = names.shuffle(len(files), seed=shuffle_files_seed, reshuffle_each_iteration=True)
+    # Files of one rank are interleaved (deterministically): parallel reads, and more mixing.
+    return tf.data.TFRecordDataset(names, num_parallel_reads=tf.data.AUTOTUNE)
+
+
+def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_shape: list[int], path: str,
+                        rank: int, size: int, files: int) -> None:
+    """ValueError for the mistakes that show in any one record, before training starts."""
+    import tensorflow as tf
+
+    first = next(iter(records.take(1)), None)
+    if first is None:
+        raise ValueError(f"data.path: rank {rank} of {size} gets no records from {path!r} ({files} file(s)); "
+                         f"write at least {size} samples")
+    features = tf.train.Example.FromString(first.numpy()).features.feature
+    missing = [key for key in schema.features if key not in features]
+    if missing:
+        others = [s.kind for s in SCHEMAS.values() if s is not schema and all(k in features for k in s.features)]
+        guess = f"; they look like {others[0]}" if others else ""
+        raise ValueError(f"data.path: records in {path!r} lack feature(s) {', '.join(missing)} that {schema.kind} "
+                         f"need (they have: {', '.join(sorted(features))}){guess}")
+    shape = list(features["shape"].int64_list.value)
+    if shape != list(input_shape):
+        raise ValueError(f"data.path: records in {path!r} have shape {shape}; model.input_shape is "
+                         f"{list(input_shape)}")
+
+
+def _batch_decoder(schema: RecordSchema, input_shape: list[int], classes: int):
+    """A function from a batch of serialized records to `(x, y)`, checking every record on the way."""
+    import tensorflow as tf
+
     spec = {
-        input_key: tf.io.FixedLenFeature([], tf.string),
+        schema.input_key: tf.io.FixedLenFeature([], tf.string),
         "shape": tf.io.FixedLenFeature([len(input_shape)], tf.int64),
-        label_key: tf.io.FixedLenFeature([], tf.int64 if kind == "images" else tf.string),
+        schema.label_key: tf.io.FixedLenFeature([], tf.int64 if schema.kind == "images" else tf.string),
     }
     want_shape = tf.constant(input_shape, tf.int64)
 
-    def decode(serialized):
-        example = tf.io.parse_single_example(serialized, spec)
-        check_shape = tf.debugging.assert_equal(
-            example["shape"], want_shape,
-            message=f"data.path: a record's shape differs from model.input_shape {input_shape}")
-        with tf.control_dependencies([check_shape]):
-            if kind == "images":
-                x = tf.cast(tf.io.decode_raw(example[input_key], tf.uint8), tf.float32) / 255.0
-                y = tf.cast(example[label_key], tf.int32)
+    def decode(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        example = tf.io.parse_example(serialized, spec)
+        # The shape check must run before decode_raw, whose own error (unequal byte counts) says nothing
+        # about shapes.
+        with tf.control_dependencies([_assert_shapes(example["shape"], want_shape, input_shape)]):
+            x = tf.io.decode_raw(example[schema.input_key], schema.input_dtype)
+            if schema.kind == "images":
+                x = tf.cast(x, tf.float32) / 255.0
+                y = example[schema.label_key]
             else:
-                x = tf.io.decode_raw(example[input_key], tf.float32)
-                y = tf.cast(tf.io.decode_raw(example[label_key], tf.uint8), tf.int32)
-                y = tf.reshape(y, input_shape[:3])
-            x = tf.reshape(x, input_shape)
-        check_label = tf.debugging.assert_less(
-            tf.reduce_max(y), classes, message=f"data.path: a label is not below model.classes = {classes}")
-        with tf.control_dependencies([check_label]):
-            return tf.identity(x), tf.identity(y)
+                y = tf.io.decode_raw(example[schema.label_key], tf.uint8)
+        batch = tf.shape(serialized)[:1]
+        x = tf.reshape(x, tf.concat([batch, input_shape], 0))
+        y = tf.reshape(y, tf.concat([batch, input_shape[:3]], 0)) if schema.kind == "volumes" else y
+        # Checked before the cast, so an int64 label beyond int32 cannot wrap into range.
+        with tf.control_dependencies([_assert_labels(y, classes)]):
+            return tf.identity(x), tf.cast(y, tf.int32)
 
-    dataset = dataset.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-    dataset = dataset.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    return dataset.prefetch(prefetch if prefetch > 0 else tf.data.AUTOTUNE)
+    return decode
+
+
+def _assert_shapes(shapes: tf.Tensor, want: tf.Tensor, input_shape: list[int]) -> tf.Operation:
+    import tensorflow as tf
+
+    wrong = tf.reduce_any(tf.not_equal(shapes, want), axis=1)
+    first_wrong = tf.concat([tf.boolean_mask(shapes, wrong), [want]], 0)[0]  # `want` pads the all-good case
+    message = tf.strings.format("data.path: a record has shape {} but model.input_shape is {}",
+                                (first_wrong, want), summarize=-1)
+    return tf.debugging.Assert(tf.logical_not(tf.reduce_any(wrong)), [message])
+
+
+def _assert_labels(labels: tf.Tensor, classes: int) -> tf.Operation:
+    import tensorflow as tf
+
+    low, high = tf.reduce_min(labels), tf.reduce_max(labels)
+    in_range = tf.logical_and(low >= 0, high < classes)
+    message = tf.strings.format("data.path: labels must be in [0, model.classes = {}); a batch has labels from {} "
+                                "to {}", (classes, low, high))
+    return tf.debugging.Assert(in_range, [message])

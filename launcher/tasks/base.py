@@ -43,23 +43,27 @@ class Task(abc.ABC):
         return None
 
     def batches(self, batch_size: int, rank: int, size: int, device: str) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
-        """Training batches for this rank, forever."""
-        data = self.recipe.data
-        seed = self.recipe.train.seed + rank  # every rank sees different samples
+        """Training batches for this rank, forever. TFRecord files are opened here, not at the first
+        step, so a bad `data.path` fails before training with the reader's message."""
+        data, seed = self.recipe.data, self.recipe.train.seed
         if data.source == "synthetic":
             # Made once, on the device: the loop then measures the model, not an input pipeline.
             with tf.device(device):
-                batch = self.synthetic_batch(batch_size, seed)
-            while True:
-                yield batch
+                batch = self.synthetic_batch(batch_size, seed + rank)  # every rank sees different samples
+            return _forever(batch)
         from launcher.data.tfrecord import read_dataset
 
-        dataset = read_dataset(
+        dataset = read_dataset(  # it offsets the shuffle seed by the rank itself
             data.path, kind=self.record_kind, input_shape=self.model_cfg.input_shape,
             classes=self.model_cfg.classes, batch_size=batch_size, rank=rank, size=size, seed=seed,
             shuffle_buffer=data.shuffle_buffer, prefetch=data.prefetch,
         )
-        yield from iter(dataset)
+        return iter(dataset)
+
+
+def _forever(batch):
+    while True:
+        yield batch
 
 
 def smooth_noise(shape: list[int], seed: int, passes: int = 2) -> tf.Tensor:

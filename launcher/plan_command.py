@@ -1,9 +1,10 @@
-"""`lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--out DIR]`
+"""`lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--link L] [--device D] [--out DIR] [--plot]`
 
-Traces the recipe's training step (one rank, no training, nothing started), plans LMS with the
-recipe's `lms` settings, and estimates peak memory with and without it on a virtual GPU of
-`--device-memory` (TensorFlow's Grappler estimator; no GPU is needed). Writes DIR/plan.json and prints
-a summary. Exit 0 on success, 2 for bad input.
+Traces the recipe's training step (one rank, no training, nothing started) and plans LMS for a rank on
+the given link and device: auto-tuned when `lms.mode` is auto, else with the recipe's settings. Prints
+the simulator's prediction (step time, stalls, hidden transfer) and Grappler's peak-memory estimate
+with and without LMS on a virtual GPU (no GPU is needed). Writes DIR/plan.json, and DIR/plan.png with
+--plot. Exit 0 on success, 2 for bad input.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import time
 from pathlib import Path
 
 from launcher.recipe import RecipeError, load_recipe
-from lms_core.units import parse_bytes
 
 PLAN_FILE = "plan.json"
 
@@ -34,19 +34,21 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lms-launch plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
-    p.add_argument("--device-memory", default="16GiB", help="virtual GPU memory for the estimate (default 16GiB)")
+    p.add_argument("--device-memory", help="GPU memory to plan for (default: lms.device_memory, else the "
+                                           "device profile's, e.g. 16GiB for v100)")
+    p.add_argument("--link", help="host-device link: pcie3, pcie4, pcie5, nvlink2, c2c or GB/s (default: lms.link)")
+    p.add_argument("--device", help="device profile: v100, a100, h100, h200 (default: lms.device)")
     p.add_argument("--out", help="where plan.json goes (default: runs/plan-<recipe>-<time>)")
+    p.add_argument("--plot", action="store_true", help="also write plan.png: memory over the step, copy queues")
     return p
 
 
 def main(argv: list[str]) -> int:
     try:
         args = parser().parse_args(argv)
-        recipe = load_recipe(args.recipe, args.overrides)
-        try:
-            device_memory = parse_bytes(args.device_memory)
-        except ValueError as err:
-            raise PlanUsageError(f"--device-memory: {err}") from None
+        flags = [f"lms.{key}={value}" for key, value in (("device_memory", args.device_memory), ("link", args.link),
+                                                           ("device", args.device)) if value is not None]
+        recipe = load_recipe(args.recipe, args.overrides + flags)
         out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if (out / PLAN_FILE).exists():
             raise PlanUsageError(f"--out {out} already has {PLAN_FILE}; give a new directory")
@@ -61,17 +63,23 @@ def main(argv: list[str]) -> int:
     planned_lms = dataclasses.replace(recipe.lms, enabled=True)
     say(f"building {recipe.model.name} {recipe.model.input_shape}, batch {recipe.train.batch_size} (TensorFlow loads first)")
     import lms_core.tf as lms_tf
+    from launcher.lms_step import rank_target
     from launcher.training import build_training
+    from lms_core.costs import step_costs
+    from lms_core.plan import Plan
+    from lms_core.simulator import simulate
 
     started = time.perf_counter()
     setup = build_training(recipe, ranks=1, device="CPU:0")
-    say("tracing the training step")
-    traced_at = time.perf_counter()
-    concrete = lms_tf.trace(setup.step, *setup.specs)
-    say(f"traced {len(concrete.graph.get_operations())} ops in {time.perf_counter() - traced_at:.1f} s; planning")
+    target, lines = rank_target(planned_lms, rank=0, local_rank=0, local_size=1, on_gpu=False)
+    for line in lines:
+        say(line)
+    say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if planned_lms.mode == "auto" else ""))
     rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=planned_lms, compute_device="/device:GPU:0",
-                               host_device="/device:CPU:0")
-    say(f"{rewritten.plan.summary()}; estimating peak memory on a {device_memory / 2**30:.1f} GiB virtual GPU")
+                               host_device="/device:CPU:0", target=target)
+    planned = rewritten.planned
+    say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
+    device_memory = target.device_memory_bytes
     baseline, lms = lms_tf.estimate_rewrite(rewritten, device_memory)
 
     plan = rewritten.plan.to_dict()
@@ -83,15 +91,33 @@ def main(argv: list[str]) -> int:
     tmp.replace(out / PLAN_FILE)
 
     gib = 2**30
+    prediction = plan["prediction"]
     print(f"\n{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size}: "
           f"{plan['swap_count']} tensor(s) swapped, {plan['swapped_bytes'] / gib:.2f} GiB per step to host")
+    if plan["tuning"]:
+        print(f"  {plan['tuning']}")
+    for warning in plan["warnings"]:
+        print(f"  warning: {warning}")
+    print(f"  simulated on {target.link.name} / {target.device.name}: step {prediction['step_time_s'] * 1000:.0f} ms "
+          f"vs {prediction['unlimited_step_time_s'] * 1000:.0f} ms unswapped, stalls {prediction['stall_time_s'] * 1000:.0f} ms, "
+          f"{prediction['hidden_share']:.0%} of transfer hidden, peak {prediction['peak_device_bytes'] / gib:.2f} GiB")
     for label, estimate in (("without LMS", baseline), ("with LMS", lms)):
         verdict = "fits" if estimate.fits else "does NOT fit"
-        print(f"  {label:<12} estimated GPU peak {estimate.device_bytes / gib:7.2f} GiB: {verdict} in "
+        print(f"  {label:<12} Grappler GPU peak {estimate.device_bytes / gib:7.2f} GiB: {verdict} in "
               f"{device_memory / gib:.1f} GiB")
     if baseline.device_bytes:
         print(f"  GPU peak with LMS is {lms.device_bytes / baseline.device_bytes:.0%} of the baseline; "
               f"host memory used {lms.host_bytes / gib:.2f} GiB")
-    print(f"  (Grappler estimates on a virtual GPU, not measurements; {time.perf_counter() - started:.0f} s)")
+    print(f"  (estimates and simulations, not GPU measurements; {time.perf_counter() - started:.0f} s)")
+    if args.plot:
+        from launcher.plot import plot_step
+
+        costs = step_costs(planned.graph, target.device)
+        unswapped = simulate(planned.graph, Plan(settings=plan["settings"]), costs, target.link, keep_timeline=True)
+        swapped = simulate(planned.graph, rewritten.plan, costs, target.link, keep_timeline=True)
+        plot_step(out / "plan.png", unswapped, swapped, device_memory, int(device_memory * planned_lms.memory_ratio),
+                  f"{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size} on "
+                  f"{target.link.name} / {target.device.name}")
+        print(f"plot written to {out / 'plan.png'}")
     print(f"plan written to {out / PLAN_FILE}")
     return 0

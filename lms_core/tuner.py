@@ -78,11 +78,18 @@ def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_b
         return result.peak_device_bytes <= device_budget_bytes and result.peak_host_bytes <= host_budget_bytes
 
     def better(a, b) -> bool:
-        """Fitting beats not fitting; then the faster step; then the lower peak."""
+        """Fitting beats not fitting. Among fitting plans the faster step wins, then the lower peak.
+        Among plans that do not fit yet the lower peak wins, then the one swapping more: the knobs
+        tuned next (ahead, groupby, sync) can only lower the peak of tensors that are swapped."""
         if b is None:
             return True
-        key = lambda r: (not fits(r[2]), r[2].step_time_s if fits(r[2]) else r[2].peak_device_bytes,  # noqa: E731
-                         r[2].peak_device_bytes)
+
+        def key(candidate):
+            _, plan, result = candidate
+            if fits(result):
+                return (0, result.step_time_s, result.peak_device_bytes)
+            return (1, result.peak_device_bytes, -plan.swapped_bytes)
+
         return key(a) < key(b)
 
     unlimited = simulate(graph, Plan(settings=dataclasses.asdict(base)), costs, link)

@@ -40,7 +40,7 @@ def test_unet3d_at_192_cubed_comes_down_to_40_percent(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+    (["--device-memory", "lots"], "lms.device_memory: 'lots' is not a size"),
     (["--set", "lms.swapout_threshold=0"], "lms.swapout_threshold: must be >= 1"),
     (["--set", "lms.sync_mode=9"], "lms.sync_mode: must be one of 0, 1, 2, 3"),
     (["--bogus"], "unrecognized arguments: --bogus"),

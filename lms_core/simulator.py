@@ -209,20 +209,25 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
 
 
 def _peak(events, base: int, keep: bool) -> tuple[int, list[tuple[float, int]], list[tuple[str, int]]]:
-    """Peak usage, the usage after each change (if `keep`), and the largest buffers at the peak."""
+    """Peak usage, the usage after each change (if `keep`), and the largest buffers at the peak.
+    One pass finds the peak; the buffers resident then are rebuilt once, not at every new high."""
+    events = sorted(events)
     usage = peak = base
-    timeline, live, at_peak = [], {}, []
-    for time, _, delta, buffer in sorted(events):
+    peak_index = -1
+    timeline = []
+    for index, (time, _, delta, _) in enumerate(events):
         usage += delta
+        if usage > peak:
+            peak, peak_index = usage, index
+        if keep:
+            timeline.append((time, usage))
+    live: dict[str, int] = {}
+    for _, _, delta, buffer in events[:peak_index + 1]:
         if delta > 0:
             live[buffer] = delta
         else:
             live.pop(buffer, None)
-        if usage > peak:
-            peak = usage
-            at_peak = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:10]
-        if keep:
-            timeline.append((time, usage))
+    at_peak = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:10]
     return peak, timeline, at_peak
 
 

@@ -93,8 +93,9 @@ def plan_for(step, *input_specs, config: LMSConfig, compute_device: str = "/devi
 
 
 def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0"):
-    """Traces `step` and plans its swaps with the config's own settings: (concrete, IR, plan)."""
-    planned = plan_for(step, *input_specs, config=config, compute_device=compute_device)
+    """Traces `step` and plans its swaps with the config's own settings (whatever `lms.mode` says:
+    there is no target to tune for): (concrete, IR, plan)."""
+    planned = plan_for(step, *input_specs, config=_manual(config), compute_device=compute_device)
     return planned.concrete, planned.graph, planned.plan
 
 

@@ -14,6 +14,10 @@ BACKWARD = "backward"
 UPDATE = "update"
 OTHER = "other"  # inputs, constants, variable handles, and ops that belong to no pass
 
+# TensorFlow's v1 while loops close a cycle through NextIteration -> Merge. Edges out of these ops are
+# back edges: every traversal and the topological order ignore them, as TensorFlow's executor does.
+BACK_EDGE_SOURCE_TYPES = frozenset({"NextIteration", "RefNextIteration"})
+
 
 @dataclass
 class TensorInfo:
@@ -36,6 +40,7 @@ class Op:
     # Written by passes:
     category: str | None = None
     level: int | None = None
+    region: str | None = None  # the v1 control-flow op whose frame or branch this op runs in, if any
 
 
 def tensor_name(op: str, index: int) -> str:
@@ -74,13 +79,24 @@ class Graph:
     def control_consumers(self, op: str) -> list[str]:
         return self._control_consumers.get(op, [])
 
-    def predecessors(self, op: Op) -> Iterator[str]:
+    def is_back_edge_source(self, name: str) -> bool:
+        op = self.ops.get(name)
+        return op is not None and op.type in BACK_EDGE_SOURCE_TYPES
+
+    def data_predecessors(self, op: Op) -> Iterator[str]:
         for tensor in op.inputs:
-            yield split_tensor(tensor)[0]
-        yield from op.control_inputs
+            name = split_tensor(tensor)[0]
+            if not self.is_back_edge_source(name):
+                yield name
+
+    def predecessors(self, op: Op) -> Iterator[str]:
+        yield from self.data_predecessors(op)
+        yield from (name for name in op.control_inputs if not self.is_back_edge_source(name))
 
     def successors(self, name: str) -> Iterator[str]:
         op = self.ops[name]
+        if op.type in BACK_EDGE_SOURCE_TYPES:
+            return
         for index in range(len(op.outputs)):
             for consumer, _ in self.consumers(tensor_name(name, index)):
                 yield consumer

@@ -23,6 +23,8 @@ NEVER_SWAPPED_TYPES = {"Const", "ReadVariableOp", "VarHandleOp", "Placeholder", 
 CONTROL_FLOW_TYPES = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase", "Switch", "Merge",
                       "Enter", "Exit", "NextIteration", "LoopCond", "RefSwitch", "RefMerge", "RefEnter"}
 NON_DATA_DTYPES = {"resource", "variant", "string"}
+# TensorFlow keeps int32 tensors of GPU ops in host memory (shapes, indices, labels): nothing to gain.
+HOST_RESIDENT_DTYPES = {"int32"}
 # Consumers that read only a tensor's metadata: they keep reading the original (Grappler folds them
 # to constants when shapes are static), so they neither need a swap-in nor decide when one happens.
 SHAPE_ONLY_TYPES = {"Shape", "ShapeN", "Size", "Rank"}
@@ -39,9 +41,9 @@ def device_kind(device: str) -> str:
 
 def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset()
                ) -> Plan:
-    """Requires `category` and `level` on every op (lms_core.passes). `data_inputs` names the step's
-    input placeholders (the batch): they live from the first forward op to the last backward one, so
-    they are candidates like forward activations."""
+    """Requires `category`, `level` and `region` on every op (lms_core.passes.pipeline.analyze).
+    `data_inputs` names the step's input placeholders (the batch): they live from the first forward op
+    to the last backward one, so they are candidates like forward activations."""
     plan = Plan(settings=asdict(config), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
     compute_kind = device_kind(compute_device)
@@ -84,9 +86,11 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
 def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_kind: str) -> str | None:
     if producer.type in NEVER_SWAPPED_TYPES and producer.category == FORWARD:
         return f"{producer.type} output: variables, constants and shape metadata are never swapped"
+    if producer.region is not None:
+        return f"produced inside v1 control flow ({producer.region}); a tensor there exists per iteration or branch"
     if producer.type in CONTROL_FLOW_TYPES:
         return f"produced by control flow ({producer.type}); the rewrite does not reach into its branches or loop"
-    flow_consumer = next((c for c in far if c.type in CONTROL_FLOW_TYPES), None)
+    flow_consumer = next((c for c in far if c.type in CONTROL_FLOW_TYPES or c.region is not None), None)
     if flow_consumer is not None:
         return f"consumed by control flow ({flow_consumer.type} {flow_consumer.name})"
     if info.dtype in NON_DATA_DTYPES:
@@ -107,6 +111,8 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
         return f"in lms.exclude_scopes ({scope})"
     if info.nbytes < config.min_tensor_bytes:
         return "small"
+    if info.dtype in HOST_RESIDENT_DTYPES:
+        return f"{info.dtype}: TensorFlow keeps int32 tensors of GPU ops in host memory already"
     return None
 
 
@@ -148,13 +154,14 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
 
 
 def find_trigger(graph: Graph, consumer: Op, target_level: int, constant: set[str] = frozenset()) -> Op | None:
-    """Walks back from `consumer` along its latest backward input (data or control) that is not a
-    folded constant, until at or below `target_level`. Levels fall strictly along the walk, so the
+    """Walks back from `consumer` along its latest backward input (data or control) that is neither a
+    folded constant nor inside v1 control flow (a control edge out of a loop frame is illegal), until
+    at or below `target_level`. Levels fall strictly along the walk, so the
     trigger can never depend on the swap-in it starts (no cycle)."""
     current = consumer
     while current.level > target_level:
         backward = [graph[p] for p in graph.predecessors(current)
-                    if graph[p].category == BACKWARD and p not in constant]
+                    if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
         if not backward:
             break
         current = max(backward, key=lambda op: (op.level, op.name))

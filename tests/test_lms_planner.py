@@ -5,7 +5,7 @@ The graph below is a training step in miniature:
     x ─ conv ─ relu ─ pool ─ loss          (forward; `loss` is the step's output)
          │      └───────────┐
          │    gradient_tape/pool_grad ─ gradient_tape/relu_grad ─ gradient_tape/conv_filter_grad ─ sgd/mul ─ sgd/assign
-         └──────────────────────────────────────────────────┘
+         └──────────────────────────────────────────────────┘                                   sgd/lr ┘
     relu is read again by relu_grad, the input batch x by conv_filter_grad, the weight w by
     conv_input_grad: all three are long-lived, but a weight is never swapped.
 """
@@ -20,6 +20,7 @@ from lms_core.graph import BACKWARD, FORWARD, OTHER, UPDATE, Graph, Op, TensorIn
 from lms_core.passes import Pass, run_passes
 from lms_core.passes.categorize import CATEGORIZE
 from lms_core.passes.levels import ASSIGN_LEVELS
+from lms_core.passes.pipeline import analyze
 from lms_core.planner import plan_swaps
 
 MIB = 1 << 20
@@ -47,7 +48,10 @@ def tiny_step(extra: list[Op] = (), relu_bytes: float | None = 4) -> Graph:
            inputs=["x:0", "gradient_tape/shape:0", "gradient_tape/relu_grad:0"], outputs=[t(0.01)]),
         Op("gradient_tape/conv_input_grad", "Conv2DBackpropInput", inputs=["w:0", "gradient_tape/relu_grad:0"],
            outputs=[t(1)]),
-        Op("sgd/mul", "Mul", inputs=["gradient_tape/conv_filter_grad:0"], outputs=[t(0.01)]),
+        # The learning rate is a variable the forward pass never reads (as in Keras): optimizer state.
+        Op("lr_handle", "Placeholder", outputs=[t(None, shape=(), dtype="resource")]),
+        Op("sgd/lr", "ReadVariableOp", inputs=["lr_handle:0"], outputs=[t(0, shape=())]),
+        Op("sgd/mul", "Mul", inputs=["gradient_tape/conv_filter_grad:0", "sgd/lr:0"], outputs=[t(0.01)]),
         Op("sgd/assign", "AssignSubVariableOp", inputs=["w_handle:0", "sgd/mul:0"]),
         *extra,
     ]
@@ -55,8 +59,7 @@ def tiny_step(extra: list[Op] = (), relu_bytes: float | None = 4) -> Graph:
 
 
 def analyzed(graph: Graph) -> Graph:
-    run_passes(graph, [CATEGORIZE, ASSIGN_LEVELS])
-    return graph
+    return analyze(graph)
 
 
 def test_categories_come_from_structure_and_the_gradient_scope():
@@ -199,3 +202,77 @@ def test_a_cycle_is_reported_not_looped_on():
     ops = [Op("a", "Relu", inputs=["b:0"], outputs=[t(1)]), Op("b", "Relu", inputs=["a:0"], outputs=[t(1)])]
     with pytest.raises(ValueError, match="cycle"):
         Graph(ops, outputs=["a:0"])
+
+
+def v1_loop_step() -> Graph:
+    """The tiny step with a TF1-style while loop over `relu` whose result the step also returns, and
+    a backward op that reads a tensor of the loop body (as a gradient of a v1 loop would)."""
+    loop = [
+        Op("loop/Enter", "Enter", inputs=["relu:0"], outputs=[t(4)]),
+        Op("loop/Merge", "Merge", inputs=["loop/Enter:0", "loop/NextIteration:0"], outputs=[t(4), t(0, (), "int32")]),
+        Op("loop/LoopCond", "LoopCond", inputs=["loop/Merge:0"], outputs=[t(0, (), "bool")]),
+        Op("loop/Switch", "Switch", inputs=["loop/Merge:0", "loop/LoopCond:0"], outputs=[t(4), t(4)]),
+        Op("loop/body", "Mul", inputs=["loop/Switch:1", "w:0"], outputs=[t(4)]),
+        Op("loop/NextIteration", "NextIteration", inputs=["loop/body:0"], outputs=[t(4)]),
+        Op("loop/Exit", "Exit", inputs=["loop/Switch:0"], outputs=[t(4)]),
+        Op("gradient_tape/loop_grad", "Mul", inputs=["gradient_tape/relu_grad:0", "loop/body:0"], outputs=[t(4)]),
+    ]
+    g = tiny_step(loop)
+    return Graph(g.ops.values(), outputs=["loss:0", "loop/Exit:0"])
+
+
+def test_a_v1_while_loop_is_no_cycle_and_its_body_is_a_region():
+    g = analyzed(v1_loop_step())  # NextIteration -> Merge is a back edge, not a cycle
+    assert g.order.index("loop/Merge") < g.order.index("loop/NextIteration")
+    assert {n: g[n].region for n in ("loop/Merge", "loop/body", "loop/NextIteration", "loop/Exit")} == dict.fromkeys(
+        ("loop/Merge", "loop/body", "loop/NextIteration", "loop/Exit"), "Enter loop/Enter")
+    assert g["relu"].region is None and g["gradient_tape/relu_grad"].region is None and g["loss"].region is None
+    for op in g.ops.values():
+        for pred in g.predecessors(op):
+            assert g[pred].level < op.level, (pred, op.name)
+
+
+def test_tensors_inside_v1_control_flow_are_skipped_and_never_trigger():
+    g = analyzed(v1_loop_step())
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0))
+    assert [s.reason for s in plan.skipped if s.tensor == "loop/body:0"] == [
+        "produced inside v1 control flow (Enter loop/Enter); a tensor there exists per iteration or branch"]
+    assert "relu:0" in [s.tensor for s in plan.swaps]  # outside the loop, still swapped
+    triggers = [si.trigger for s in plan.swaps for si in s.swap_ins]
+    assert triggers and all(g[tr].region is None for tr in triggers)
+    assert not {c for s in plan.swaps for si in s.swap_ins for c in si.consumers} & {
+        n for n, op in g.ops.items() if op.region}
+
+
+def test_int32_tensors_are_left_in_host_memory():
+    extra = [Op("labels", "Placeholder", outputs=[t(4, dtype="int32")]),
+             Op("gradient_tape/label_use", "Mul", inputs=["gradient_tape/relu_grad:0", "labels:0"], outputs=[t(4)])]
+    plan = plan_swaps(analyzed(tiny_step(extra)), LMSConfig(swapout_threshold=1, min_tensor_bytes=0),
+                      data_inputs=frozenset({"x", "labels"}))
+    assert "labels:0" not in [s.tensor for s in plan.swaps]
+    assert [s.reason for s in plan.skipped if s.tensor == "labels:0"] == [
+        "int32: TensorFlow keeps int32 tensors of GPU ops in host memory already"]
+
+
+def test_no_tensor_and_no_op_name_is_planned_twice():
+    extra = [Op("gradient_tape/second_use", "Mul", inputs=["gradient_tape/relu_grad:0", "relu:0"], outputs=[t(4)])]
+    plan = plan_swaps(analyzed(tiny_step(extra)), LMSConfig(swapout_threshold=1, min_tensor_bytes=0),
+                      data_inputs=frozenset({"x"}))
+    tensors = [s.tensor for s in plan.swaps]
+    names = [s.swap_out for s in plan.swaps] + [si.name for s in plan.swaps for si in s.swap_ins]
+    assert len(tensors) == len(set(tensors)) >= 2 and len(names) == len(set(names))
+    rerouted = [(c, s.tensor) for s in plan.swaps for si in s.swap_ins for c in si.consumers]
+    assert len(rerouted) == len(set(rerouted))  # each consumer reads each tensor from one swap-in only
+
+
+def test_an_optimizer_without_the_gradient_scope_is_still_update():
+    """Names are a hint only: strip `gradient_tape/` and the categories of data ops stay the same."""
+    named = analyzed(tiny_step())
+    rename = lambda s: s.replace("gradient_tape/", "")  # noqa: E731
+    bare = analyzed(Graph([Op(rename(o.name), o.type, o.device, [rename(i) for i in o.inputs],
+                              [rename(c) for c in o.control_inputs], o.outputs) for o in tiny_step().ops.values()],
+                          outputs=["loss:0"]))
+    for name, op in named.ops.items():
+        if name != "gradient_tape/conv_input_grad":  # a gradient nothing reads: only the hint finds it
+            assert bare[rename(name)].category == op.category, name
+    assert bare["conv_input_grad"].category == "other"

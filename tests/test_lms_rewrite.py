@@ -6,17 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
-from tensorflow.python.grappler import tf_optimizer
 
 import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
-from lms_core.graph import BACKWARD, FORWARD, UPDATE
 from lms_core.tf.apply import KEEP_ATTR
+from lms_core.tf.verify import grappler_losses
 from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
 
 CPU = "/device:CPU:0"
-SWAP_ALL = LMSConfig(enabled=True, swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
+SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -67,35 +65,16 @@ def test_structural_golden_on_a_tiny_graph():
     assert set(nodes) - original == {swap_out, swap_in}
 
 
-def test_categories_on_resnet50():
-    _, _, step, specs, _ = training_step(ARCHITECTURES["resnet50"])
-    _, graph, _ = lms_tf.plan_step(step, *specs, config=SWAP_ALL)
-    by_type = {}
-    for op in graph.ops.values():
-        by_type.setdefault(op.type, set()).add(op.category)
-    assert by_type["Conv2D"] == {FORWARD}
-    assert by_type["Conv2DBackpropFilter"] == {BACKWARD} and by_type["ReluGrad"] == {BACKWARD}
-    assert by_type["AssignAddVariableOp"] <= {UPDATE}
-    assert {graph[n].category for n in graph.order if n.startswith("AddN")} == {BACKWARD}
-
-
 def test_swaps_survive_grapplers_default_optimization():
     _, _, step, specs, _ = training_step(ARCHITECTURES["densenet_block"])
     rewritten = lms_tf.rewrite(step, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
-    metagraph = meta_graph_pb2.MetaGraphDef(graph_def=rewritten.graph_def)
-    fetches = [t.name.rpartition(":")[0] for t in rewritten.concrete.graph.outputs]
-    fetches += [op.name for op in rewritten.concrete.graph.control_outputs]
-    metagraph.collection_def["train_op"].node_list.value.extend(fetches)
-    optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), metagraph)
-    nodes = {n.name: n for n in optimized.node}
-    for swap in rewritten.plan.swaps:
-        assert swap.swap_out in nodes
-        for swap_in in swap.swap_ins:
-            assert f"^{swap_in.trigger}" in nodes[swap_in.name].input
-            assert nodes[swap_in.name].input[0] == swap.swap_out
-            for consumer in swap_in.consumers:
-                if consumer in nodes:  # Grappler may fuse a consumer away, never the swap-in
-                    assert swap_in.name in nodes[consumer].input
+    assert len(rewritten.plan.swaps) > 10
+    assert grappler_losses(rewritten) == []
+    # Without the keep attribute Grappler folds the swap Identities away: the check can fail.
+    for node in rewritten.graph_def.node:
+        if node.name.startswith("lms/"):
+            del node.attr[KEEP_ATTR]
+    assert any(loss.endswith("removed") for loss in grappler_losses(rewritten))
 
 
 def test_control_flow_in_the_step_is_left_alone_and_numerics_hold():
@@ -169,3 +148,42 @@ def test_an_unknown_device_names_the_setting(key, kwargs):
     with pytest.raises(SettingError) as err:
         lms_tf.rewrite(step, *specs, config=SWAP_ALL, **kwargs)
     assert err.value.key == key
+
+
+def test_ops_tensorflow_cannot_see_into_are_rewritten_around():
+    """`tf.py_function` (EagerPyFunc, shape unknown, its gradient another py_function) in the
+    forward and the backward pass: swaps happen around it and the numbers do not change."""
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 2))
+        x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                scaled = tf.ensure_shape(tf.py_function(lambda a: a * 2.0, [x], tf.float32), x.shape)
+                logits = tf.py_function(lambda a: a * 0.5, [model(scaled)], tf.float32)  # differentiated through
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=y, logits=tf.reshape(logits, [2, 3])))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return loss
+
+        return model, step
+
+    specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
+    batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
+    model_a, step_a = build()
+    expected = [float(step_a(*batch)) for _ in range(3)]
+    model_b, step_b = build()
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+    py_funcs = [n for n in rewritten.graph_def.node if n.op == "EagerPyFunc"]
+    assert len(py_funcs) >= 3  # two in the forward pass, at least one gradient
+    assert any(s.producer_type == "Relu" for s in rewritten.plan.swaps)
+    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(3)], expected, rtol=1e-6)
+    for a, b in zip(model_a.variables, model_b.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)

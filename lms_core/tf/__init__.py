@@ -13,9 +13,7 @@ from lms_core.config import LMSConfig, SettingError
 from lms_core.costs import DeviceProfile, step_costs
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
-from lms_core.passes import run_passes
-from lms_core.passes.categorize import CATEGORIZE
-from lms_core.passes.levels import ASSIGN_LEVELS
+from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
 from lms_core.planner import device_kind, plan_swaps
 from lms_core.tf.apply import apply_plan
@@ -47,9 +45,8 @@ class PlannedStep:
 
 
 def analyze(graph: Graph) -> Graph:
-    """Categories and levels on every op, in place."""
-    run_passes(graph, [CATEGORIZE, ASSIGN_LEVELS])
-    return graph
+    """Categories, levels and v1 control-flow regions on every op, in place."""
+    return run_analyses(graph)
 
 
 def check_device(key: str, device: str) -> None:

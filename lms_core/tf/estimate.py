@@ -29,6 +29,7 @@ from tensorflow.python.grappler import item as grappler_item
 GPU = "/job:localhost/replica:0/task:0/device:GPU:0"
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 UNBOUNDED_BYTES = 1 << 50  # the simulated devices never refuse; the budget is compared afterwards
+DEFAULT_DEVICE_MEMORY_BYTES = 16 << 30  # the LMS papers' 16 GB V100/P100
 
 
 @dataclass
@@ -39,7 +40,7 @@ class PeakEstimate:
     device_memory_bytes: int
 
 
-def estimate_peak(graph_def: graph_pb2.GraphDef, concrete, device_memory_bytes: int,
+def estimate_peak(graph_def: graph_pb2.GraphDef, concrete, device_memory_bytes: int = DEFAULT_DEVICE_MEMORY_BYTES,
                   host_ops: set[str] = frozenset()) -> PeakEstimate:
     """Peak bytes of `graph_def` (the traced step's, rewritten or not) on a virtual GPU, and whether
     that fits `device_memory_bytes`. `host_ops` (the swap-outs) are placed on the host CPU."""

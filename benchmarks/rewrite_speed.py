@@ -23,10 +23,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    import keras
-    import tensorflow as tf
-
     import lms_core.tf as lms_tf
+    from keras_steps import resnet_step  # beside this script
     from lms_core.config import LMSConfig
     from lms_core.plan import Plan
     from lms_core.planner import plan_swaps
@@ -39,21 +37,7 @@ def main() -> int:
           f"{os.cpu_count()} CPU(s)")
     print(f"{'model':<11} {'ops':>6} {'swaps':>6} {'trace s':>8} {'plan s':>7} {'rewrite s':>10}")
     for name in ("ResNet50", "ResNet101", "ResNet152"):
-        keras.utils.set_random_seed(0)
-        model = getattr(keras.applications, name)(weights=None, input_shape=(224, 224, 3), classes=1000,
-                                                  classifier_activation=None)
-        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-        optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                logits = model(x, training=True)
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return loss
-
-        specs = (tf.TensorSpec([args.batch, 224, 224, 3]), tf.TensorSpec([args.batch], tf.int32))
+        step, specs = resnet_step(name, args.batch)
         started = time.perf_counter()
         concrete = lms_tf.trace(step, *specs)
         traced = time.perf_counter() - started

@@ -19,29 +19,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
 
-    import keras
-    import tensorflow as tf
-
     import lms_core.tf as lms_tf
+    from keras_steps import resnet_step  # beside this script
     from lms_core.config import LMSConfig
     from lms_core.costs import PROFILES, step_costs
     from lms_core.link import NAMED_LINKS
     from lms_core.tuner import tune
 
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000,
-                                        classifier_activation=None)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True)))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    specs = (tf.TensorSpec([args.batch, 224, 224, 3]), tf.TensorSpec([args.batch], tf.int32))
+    step, specs = resnet_step("ResNet50", args.batch)
     config = LMSConfig(enabled=True, mode="manual")
     _, graph, _ = lms_tf.plan_step(step, *specs, config=config)
     device = PROFILES["v100"]

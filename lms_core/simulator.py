@@ -43,8 +43,21 @@ class SimulationResult:
     resident_at_peak: list[tuple[str, int]] = field(default_factory=list)  # the largest buffers at the peak
 
 
-def _copy_seconds(nbytes: int, rate: float) -> float:
-    return 0.0 if rate == float("inf") else nbytes / rate
+class CopyQueue:
+    """One direction of the link: copies run one after another at the link's rate."""
+
+    def __init__(self, bytes_per_s: float):
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+        self.busy: list[tuple[float, float]] = []
+
+    def copy(self, ready: float, nbytes: int) -> tuple[float, float]:
+        """(start, end) of a copy that may start at `ready`, behind the copies already queued."""
+        start = max(ready, self.free_at)
+        end = start + (0.0 if self.bytes_per_s == float("inf") else nbytes / self.bytes_per_s)
+        self.free_at = end
+        self.busy.append((start, end))
+        return start, end
 
 
 def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
@@ -97,14 +110,13 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     swapped_out_at: dict[str, float] = {}
     arrival: dict[str, float] = {}
     host_refs: dict[str, int] = {s.tensor: len(s.swap_ins) for s in plan.swaps}
-    stream = d2h_free = h2d_free = 0.0
-    stall = compute = transfer = 0.0
+    stream = 0.0
+    d2h, h2d = CopyQueue(link.d2h_bytes_per_s), CopyQueue(link.h2d_bytes_per_s)
+    stall = compute = 0.0
     # The forward pass ends when the loss is computed: the producers the step's outputs read (the
     # output ops themselves wait, through control edges, for the whole step).
     loss_ops = {split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs}
     forward_end: float | None = None
-    d2h_busy: list[tuple[float, float]] = []
-    h2d_busy: list[tuple[float, float]] = []
     op_end_times: list[tuple[float, int]] = []
 
     parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
@@ -162,22 +174,14 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
             swap = swap_of.get(tensor)
             if swap is None:
                 continue
-            copy_start = max(finish, d2h_free)
-            copy_end = copy_start + _copy_seconds(swap.nbytes, link.d2h_bytes_per_s)
-            d2h_free = copy_end
-            transfer += copy_end - copy_start
-            d2h_busy.append((copy_start, copy_end))
+            copy_start, copy_end = d2h.copy(finish, swap.nbytes)
             host_events.append((copy_start, 0, swap.nbytes, tensor))
             swapped_out_at[tensor] = copy_end
             release(tensor, copy_end)
 
         for swap_in_name in triggers.get(name, []):  # swap-ins this op starts
             swap, _ = swap_in_of[swap_in_name]
-            copy_start = max(finish, h2d_free, swapped_out_at[swap.tensor])
-            copy_end = copy_start + _copy_seconds(swap.nbytes, link.h2d_bytes_per_s)
-            h2d_free = copy_end
-            transfer += copy_end - copy_start
-            h2d_busy.append((copy_start, copy_end))
+            copy_start, copy_end = h2d.copy(max(finish, swapped_out_at[swap.tensor]), swap.nbytes)
             events.append((copy_start, 0, swap.nbytes, swap_in_name))
             arrival[swap_in_name] = copy_end
             for waiting in parked.pop(swap_in_name, []):
@@ -195,7 +199,8 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     if parked or len(end) != len(graph.order):
         raise ValueError(f"simulation stalled: {len(graph.order) - len(end)} op(s) never ran (a swap-in whose trigger "
                          f"never runs: {sorted(parked)[:3]})")
-    step_time = max([stream, d2h_free, h2d_free])
+    step_time = max([stream, d2h.free_at, h2d.free_at])
+    transfer = sum(end - start for start, end in d2h.busy + h2d.busy)
     forward_end = step_time if forward_end is None else forward_end
     peak_device, timeline, at_peak = _peak(events, persistent_bytes, keep_timeline)
     peak_host, _, _ = _peak(host_events, 0, False)
@@ -204,7 +209,7 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     return SimulationResult(
         peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time, compute_time_s=compute,
         stall_time_s=stall, transfer_time_s=transfer, hidden_share=hidden, swapped_bytes=plan.swapped_bytes,
-        forward_time_s=forward_end, device_by_level=by_level, d2h_busy=d2h_busy, h2d_busy=h2d_busy,
+        forward_time_s=forward_end, device_by_level=by_level, d2h_busy=d2h.busy, h2d_busy=h2d.busy,
         timeline=timeline, resident_at_peak=at_peak)
 
 

@@ -41,6 +41,15 @@ def transformer_block() -> tuple[keras.Model, tuple]:
     return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling1D()(x))), ((4, 32, 16), (4,))
 
 
+def resnet50_imagenet(batch: int):
+    """ResNet-50 at 224x224 with 1000 classes, as in the papers, for `training_step`."""
+    def build() -> tuple[keras.Model, tuple]:
+        model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000,
+                                            classifier_activation=None)
+        return model, ((batch, 224, 224, 3), (batch,))
+    return build
+
+
 ARCHITECTURES = {"resnet50": resnet50, "unet3d": small_unet3d, "densenet_block": dense_block,
                  "transformer_block": transformer_block}
 

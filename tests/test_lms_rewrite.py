@@ -77,6 +77,21 @@ def test_swaps_survive_grapplers_default_optimization():
     assert any(loss.endswith("removed") for loss in grappler_losses(rewritten))
 
 
+def train_both_ways(build, steps: int = 3):
+    """Trains two fresh copies of `build()`'s (model, step) on an [2, 8, 8, 2] batch, one as traced,
+    one rewritten with SWAP_ALL; asserts equal losses and weights; returns the rewritten step."""
+    specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
+    batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
+    model_a, step_a = build()
+    expected = [float(step_a(*batch)) for _ in range(steps)]
+    model_b, step_b = build()
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(steps)], expected, rtol=1e-6)
+    for a, b in zip(model_a.variables, model_b.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
+    return rewritten
+
+
 def test_control_flow_in_the_step_is_left_alone_and_numerics_hold():
     import keras
 
@@ -101,18 +116,10 @@ def test_control_flow_in_the_step_is_left_alone_and_numerics_hold():
 
         return model, step
 
-    specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
-    batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
-    model_a, step_a = build()
-    expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, step_b = build()
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+    rewritten = train_both_ways(build)
     reasons = [s.reason for s in rewritten.plan.skipped]
     assert any("control flow" in r for r in reasons), reasons
     assert rewritten.plan.swaps  # the convolution's activations are still swapped around the regions
-    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(3)], expected, rtol=1e-6)
-    for a, b in zip(model_a.variables, model_b.variables):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_grappler_estimates_less_gpu_memory_with_swaps():
@@ -175,15 +182,7 @@ def test_ops_tensorflow_cannot_see_into_are_rewritten_around():
 
         return model, step
 
-    specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
-    batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
-    model_a, step_a = build()
-    expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, step_b = build()
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+    rewritten = train_both_ways(build)
     py_funcs = [n for n in rewritten.graph_def.node if n.op == "EagerPyFunc"]
     assert len(py_funcs) >= 3  # two in the forward pass, at least one gradient
     assert any(s.producer_type == "Relu" for s in rewritten.plan.swaps)
-    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(3)], expected, rtol=1e-6)
-    for a, b in zip(model_a.variables, model_b.variables):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)

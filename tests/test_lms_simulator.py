@@ -12,6 +12,7 @@ from lms_core.link import GB, INFINITE, NAMED_LINKS, LinkRates, link_named, pcie
 from lms_core.plan import Plan
 from lms_core.planner import plan_swaps
 from lms_core.simulator import simulate
+from tests.lms_models import resnet50_imagenet, training_step
 from tests.test_lms_planner import MIB, analyzed, tiny_step
 
 
@@ -124,26 +125,11 @@ def test_a_slow_link_stalls_and_a_fast_one_hides_the_copies():
 
 @pytest.mark.parametrize("batch", [32, 64, 128])
 def test_with_an_infinite_link_resnet50_peaks_match_grappler_within_10_percent(batch):
-    tf = pytest.importorskip("tensorflow")
-    import keras
-
+    pytest.importorskip("tensorflow")
     import lms_core.tf as lms_tf
     from lms_core.costs import step_costs
 
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000,
-                                        classifier_activation=None)
-    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True)))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    specs = (tf.TensorSpec([batch, 224, 224, 3]), tf.TensorSpec([batch], tf.int32))
+    _, _, step, specs, _ = training_step(resnet50_imagenet(batch))
     config = LMSConfig(enabled=True)
     rewritten = lms_tf.rewrite(step, *specs, config=config)
     grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)

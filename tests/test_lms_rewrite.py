@@ -77,9 +77,30 @@ def test_swaps_survive_grapplers_default_optimization():
     assert any(loss.endswith("removed") for loss in grappler_losses(rewritten))
 
 
-def train_both_ways(build, steps: int = 3):
-    """Trains two fresh copies of `build()`'s (model, step) on an [2, 8, 8, 2] batch, one as traced,
-    one rewritten with SWAP_ALL; asserts equal losses and weights; returns the rewritten step."""
+def train_both_ways(forward, steps: int = 3):
+    """Two fresh copies of a small conv net whose step computes its logits as `forward(model, x)`:
+    one trained as traced, one rewritten with SWAP_ALL. Asserts equal losses and weights after
+    `steps` steps and returns the rewritten step."""
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 2))
+        x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                logits = forward(model, x)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return loss
+
+        return model, step
+
     specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
     batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
     model_a, step_a = build()
@@ -93,30 +114,13 @@ def train_both_ways(build, steps: int = 3):
 
 
 def test_control_flow_in_the_step_is_left_alone_and_numerics_hold():
-    import keras
+    def forward(model, x):
+        logits = model(x)
+        # A data-dependent branch and a loop inside the differentiated region.
+        logits = tf.cond(tf.reduce_mean(x) > 0.5, lambda: logits * 2.0, lambda: logits)
+        return tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, v * 1.5), (0, logits))[1]
 
-    def build(seed=0):
-        keras.utils.set_random_seed(seed)
-        inputs = keras.Input((8, 8, 2))
-        x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                logits = model(x)
-                # A data-dependent branch and a loop inside the differentiated region.
-                logits = tf.cond(tf.reduce_mean(x) > 0.5, lambda: logits * 2.0, lambda: logits)
-                logits = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, v * 1.5), (0, logits))[1]
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return loss
-
-        return model, step
-
-    rewritten = train_both_ways(build)
+    rewritten = train_both_ways(forward)
     reasons = [s.reason for s in rewritten.plan.skipped]
     assert any("control flow" in r for r in reasons), reasons
     assert rewritten.plan.swaps  # the convolution's activations are still swapped around the regions
@@ -160,29 +164,12 @@ def test_an_unknown_device_names_the_setting(key, kwargs):
 def test_ops_tensorflow_cannot_see_into_are_rewritten_around():
     """`tf.py_function` (EagerPyFunc, shape unknown, its gradient another py_function) in the
     forward and the backward pass: swaps happen around it and the numbers do not change."""
-    import keras
+    def forward(model, x):
+        scaled = tf.ensure_shape(tf.py_function(lambda a: a * 2.0, [x], tf.float32), x.shape)
+        logits = tf.py_function(lambda a: a * 0.5, [model(scaled)], tf.float32)  # differentiated through
+        return tf.reshape(logits, [2, 3])
 
-    def build():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((8, 8, 2))
-        x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                scaled = tf.ensure_shape(tf.py_function(lambda a: a * 2.0, [x], tf.float32), x.shape)
-                logits = tf.py_function(lambda a: a * 0.5, [model(scaled)], tf.float32)  # differentiated through
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                    labels=y, logits=tf.reshape(logits, [2, 3])))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return loss
-
-        return model, step
-
-    rewritten = train_both_ways(build)
+    rewritten = train_both_ways(forward)
     py_funcs = [n for n in rewritten.graph_def.node if n.op == "EagerPyFunc"]
     assert len(py_funcs) >= 3  # two in the forward pass, at least one gradient
     assert any(s.producer_type == "Relu" for s in rewritten.plan.swaps)

@@ -1,4 +1,5 @@
-"""The training step the benchmarks time: a Keras ResNet at ImageNet size with SGD and momentum."""
+"""The training steps the benchmarks time: a Keras ResNet at ImageNet size and the paper's 3D U-Net,
+both with SGD and momentum."""
 from __future__ import annotations
 
 
@@ -10,6 +11,27 @@ def resnet_step(name: str, batch: int):
     keras.utils.set_random_seed(0)
     model = getattr(keras.applications, name)(weights=None, input_shape=(224, 224, 3), classes=1000,
                                               classifier_activation=None)
+    return sgd_step(model), (tf.TensorSpec([batch, 224, 224, 3]), tf.TensorSpec([batch], tf.int32))
+
+
+def unet3d_step(size: int):
+    """The paper recipe's 3D U-Net (depth 4, 32 base filters, 4 channels and classes) at size^3,
+    batch 1 -> (tf.function step, input specs)."""
+    import keras
+    import tensorflow as tf
+
+    from launcher.tasks.unet3d import unet3d
+
+    keras.utils.set_random_seed(0)
+    model = unet3d([size, size, size, 4], classes=4, depth=4, base_filters=32)
+    return sgd_step(model), (tf.TensorSpec([1, size, size, size, 4]), tf.TensorSpec([1, size, size, size], tf.int32))
+
+
+def sgd_step(model):
+    """Forward, cross-entropy on integer labels, backward, SGD with momentum: one tf.function."""
+    import keras
+    import tensorflow as tf
+
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     optimizer.build(model.trainable_variables)
 
@@ -21,4 +43,4 @@ def resnet_step(name: str, batch: int):
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
         return loss
 
-    return step, (tf.TensorSpec([batch, 224, 224, 3]), tf.TensorSpec([batch], tf.int32))
+    return step

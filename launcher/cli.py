@@ -2,7 +2,8 @@
 
     lms-launch RECIPE [--np N] [-H host:slots,...] [--hostfile FILE] [--backend gloo|mpi]
                       [--set key.path=value ...] [--run-dir DIR] [--dry-run]
-    lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--link L] [--device D] [--out DIR] [--plot]
+    lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--host-memory 512GiB] [--link L] [--device D]
+                    [--out DIR] [--plot]
     lms-launch tfrecord --kind images|volumes --out DIR ...
 
 Exit status: 0 on success, 2 for bad usage or a bad recipe (nothing started, nothing written),

@@ -1,4 +1,5 @@
-"""`lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--link L] [--device D] [--out DIR] [--plot]`
+"""`lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--host-memory 512GiB] [--link L] [--device D]
+[--out DIR] [--plot]`
 
 Traces the recipe's training step (one rank, no training, nothing started) and plans LMS for a rank on
 the given link and device: auto-tuned when `lms.mode` is auto, else with the recipe's settings. Prints
@@ -36,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     p.add_argument("--device-memory", help="GPU memory to plan for (default: lms.device_memory, else the "
                                            "device profile's, e.g. 16GiB for v100)")
+    p.add_argument("--host-memory", help="host memory to plan for (default: lms.host_memory, else this machine's)")
     p.add_argument("--link", help="host-device link: pcie3, pcie4, pcie5, nvlink2, c2c or GB/s (default: lms.link)")
     p.add_argument("--device", help="device profile: v100, a100, h100, h200 (default: lms.device)")
     p.add_argument("--out", help="where plan.json goes (default: runs/plan-<recipe>-<time>)")
@@ -46,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     try:
         args = parser().parse_args(argv)
-        flags = [f"lms.{key}={value}" for key, value in (("device_memory", args.device_memory), ("link", args.link),
+        flags = [f"lms.{key}={value}" for key, value in (("device_memory", args.device_memory),
+                                                           ("host_memory", args.host_memory), ("link", args.link),
                                                            ("device", args.device)) if value is not None]
         recipe = load_recipe(args.recipe, args.overrides + flags)
         out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -65,7 +68,6 @@ def main(argv: list[str]) -> int:
     import lms_core.tf as lms_tf
     from launcher.lms_step import rank_target
     from launcher.training import build_training
-    from lms_core.costs import step_costs
     from lms_core.plan import Plan
     from lms_core.simulator import simulate
 
@@ -94,6 +96,7 @@ def main(argv: list[str]) -> int:
     prediction = plan["prediction"]
     print(f"\n{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size}: "
           f"{plan['swap_count']} tensor(s) swapped, {plan['swapped_bytes'] / gib:.2f} GiB per step to host")
+    print(f"  {plan['cost_model']}")
     if plan["tuning"]:
         print(f"  {plan['tuning']}")
     for warning in plan["warnings"]:
@@ -112,7 +115,7 @@ def main(argv: list[str]) -> int:
     if args.plot:
         from launcher.plot import plot_step
 
-        costs = step_costs(planned.graph, target.device)
+        costs = planned.costs
         unswapped = simulate(planned.graph, Plan(settings=plan["settings"]), costs, target.link, keep_timeline=True)
         swapped = simulate(planned.graph, rewritten.plan, costs, target.link, keep_timeline=True)
         plot_step(out / "plan.png", unswapped, swapped, device_memory, int(device_memory * planned_lms.memory_ratio),

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         training.broadcast_from_rank0(list(setup.model.variables) + list(setup.optimizer.variables))
     # The one place the traced step is handed to LMS (it comes back unchanged when lms.enabled is false).
     step = prepare_step(setup.step, setup.specs, recipe.lms, ctx, run_dir, log=print if is_root else None,
-                        local_size=hvd.local_size())
+                        local_size=hvd.local_size(),
+                        variables=list(setup.model.variables) + list(setup.optimizer.variables))
 
     sinks: list = []
     if is_root:

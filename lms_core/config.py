@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lms_core.costs import PROFILES
+from lms_core.costs import PROFILES, DeviceProfile
 from lms_core.link import link_named
 from lms_core.units import parse_bytes
 
@@ -29,6 +29,40 @@ SYNC_MODES = {
     2: "synchronous swap-in: the trigger's successors wait until the swap-in has arrived",
     3: "both synchronous swap-out and synchronous swap-in",
 }
+
+
+@dataclass
+class CustomDevice:
+    """A device profile given by its peaks, for GPUs without a named profile:
+    `lms.device: {tflops: 30, memory_gb_per_s: 1000, memory: 24GiB}`."""
+
+    tflops: float | None = None
+    """Peak dense FP32 TFLOP/s (datasheet; the cost model assumes kernels reach 60% of it)."""
+
+    memory_gb_per_s: float | None = None
+    """Device memory bandwidth in GB/s."""
+
+    memory: int | str | None = None
+    """Device memory size, e.g. `24GiB`; also what is planned for unless `lms.device_memory` is set."""
+
+    name: str = "custom"
+    """What logs and plans call the profile."""
+
+    def __post_init__(self) -> None:
+        missing = [key for key in ("tflops", "memory_gb_per_s", "memory") if getattr(self, key) is None]
+        if missing:
+            raise SettingError(missing[0], f"a custom device needs tflops, memory_gb_per_s and memory; "
+                                           f"missing {', '.join(missing)}")
+        for key in ("tflops", "memory_gb_per_s"):
+            if getattr(self, key) <= 0:
+                raise SettingError(key, f"must be > 0, got {getattr(self, key)}")
+        try:
+            parse_bytes(self.memory)
+        except ValueError as err:
+            raise SettingError("memory", str(err)) from None
+
+    def profile(self) -> DeviceProfile:
+        return DeviceProfile(self.name, self.tflops * 1e12, self.memory_gb_per_s * 1e9, parse_bytes(self.memory))
 
 
 @dataclass
@@ -85,12 +119,23 @@ class LMSConfig:
     measure_link: bool = False
     """On a GPU, time host-device copies of a few sizes at start-up and use the measured rates."""
 
-    device: str = "auto"
+    device: str | CustomDevice = "auto"
     """Device profile for the cost model: `auto` (from NVML's GPU name; v100 without a GPU), `v100`,
-    `a100`, `h100`, `h200`."""
+    `a100`, `h100`, `h200`, or a custom one: `{tflops: 30, memory_gb_per_s: 1000, memory: 24GiB}`."""
 
-    device_memory: str | None = None
+    measure_ops: bool = False
+    """On a GPU, time every op with the TensorFlow profiler over `profile_steps` steps at start-up and
+    tune with those times instead of the cost model's (weights are restored afterwards)."""
+
+    profile_steps: int = 3
+    """How many steps `measure_ops` profiles (after one unprofiled warm-up step). Must be >= 1."""
+
+    device_memory: int | str | None = None
     """Device memory to plan for, e.g. `16GiB` (default: the GPU's, or the profile's without one)."""
+
+    host_memory: int | str | None = None
+    """Host memory to plan for, e.g. `512GiB`, shared by the ranks of a host (default: this machine's
+    RAM; set it when planning for another machine with `lms-launch plan`)."""
 
     memory_ratio: float = 0.9
     """The auto-tuner keeps the predicted device peak under device memory x this (room for the
@@ -120,13 +165,17 @@ class LMSConfig:
                 link_named(value)
             except ValueError as err:
                 raise SettingError(key, str(err)) from None
-        if self.device != "auto" and self.device not in PROFILES:
-            raise SettingError("device", f"must be auto or one of {', '.join(PROFILES)}, got {self.device!r}")
-        if self.device_memory is not None:
-            try:
-                parse_bytes(self.device_memory)
-            except ValueError as err:
-                raise SettingError("device_memory", str(err)) from None
+        if isinstance(self.device, str) and self.device != "auto" and self.device not in PROFILES:
+            raise SettingError("device", f"must be auto, one of {', '.join(PROFILES)}, or a custom profile "
+                                         f"{{tflops, memory_gb_per_s, memory}}; got {self.device!r}")
+        if self.profile_steps < 1:
+            raise SettingError("profile_steps", f"must be >= 1, got {self.profile_steps}")
+        for key in ("device_memory", "host_memory"):
+            if getattr(self, key) is not None:
+                try:
+                    parse_bytes(getattr(self, key))
+                except ValueError as err:
+                    raise SettingError(key, str(err)) from None
         for key in ("memory_ratio", "host_memory_ratio"):
             if not 0 < getattr(self, key) <= 1:
                 raise SettingError(key, f"must be in (0, 1], got {getattr(self, key)}")

@@ -11,11 +11,14 @@ Device profiles are datasheet peaks for float32 without tensor cores (the recipe
 
 An op takes max(FLOPs / (peak x efficiency), bytes read and written / bandwidth) plus a launch
 overhead: compute-bound convolutions and matrix products by their FLOPs, everything elementwise by
-its memory traffic. A profile can be scaled by measured per-op times where a GPU is at hand.
+its memory traffic. `lms.device` may also be a custom profile (peak TFLOP/s, memory bandwidth, memory
+size). Where a GPU is at hand, `calibrated_costs` replaces the model's times by per-op times measured
+with the TensorFlow profiler (lms_core/tf/op_profile.py).
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from lms_core.graph import Graph, Op, split_tensor
@@ -125,3 +128,30 @@ def op_seconds(graph: Graph, op: Op, device: DeviceProfile) -> float:
 def step_costs(graph: Graph, device: DeviceProfile) -> dict[str, float]:
     """Seconds per op for the whole graph."""
     return {name: op_seconds(graph, graph[name], device) for name in graph.order}
+
+
+@dataclass
+class Calibration:
+    """How measured op times were merged into the model: the ops that had a measurement, and the
+    factor by which the model's times were scaled for the rest (median of measured / modelled)."""
+
+    measured_ops: int
+    modelled_ops: int
+    scale: float
+
+    def describe(self) -> str:
+        return (f"costs: {self.measured_ops} op(s) measured, {self.modelled_ops} from the roofline model "
+                f"scaled x{self.scale:.2f} (the median measured/modelled ratio)")
+
+
+def calibrated_costs(graph: Graph, device: DeviceProfile, measured: dict[str, float]) -> tuple[dict[str, float], Calibration]:
+    """Seconds per op: the measured time where the profiler saw the op, else the roofline time scaled
+    by the median ratio of measured to modelled over the ops that have both. Scaling keeps the ops
+    the profiler missed (fused by Grappler, or too small to record) in proportion to the real ones."""
+    modelled = step_costs(graph, device)
+    ratios = [measured[name] / modelled[name] for name in graph.order
+              if name in measured and modelled[name] > 0 and measured[name] > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    costs = {name: measured[name] if name in measured else modelled[name] * scale for name in graph.order}
+    taken = sum(1 for name in graph.order if name in measured)
+    return costs, Calibration(measured_ops=taken, modelled_ops=len(graph.order) - taken, scale=scale)

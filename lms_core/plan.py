@@ -51,6 +51,7 @@ class Plan:
     # Filled when the plan is made for a target (link, device): the simulator's prediction.
     link: str | None = None
     device_profile: str | None = None
+    cost_model: str | None = None  # where the op times came from: the roofline model or profiler measurements
     prediction: dict[str, Any] = field(default_factory=dict)
     tuning: str | None = None  # the auto-tuner's summary when lms.mode is auto
     warnings: list[str] = field(default_factory=list)

@@ -8,6 +8,7 @@ runs just before it). Near consumers keep reading the original tensor.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict
 
 from lms_core.config import LMSConfig
@@ -47,7 +48,6 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     plan = Plan(settings=asdict(config), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
     compute_kind = device_kind(compute_device)
-    constant = constant_ops(graph)
     for name in graph.order:
         producer = graph[name]
         if producer.category != FORWARD and name not in data_inputs:
@@ -68,7 +68,7 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
             if reason:
                 plan.skipped.append(Skip(tensor, info.nbytes, reason))
                 continue
-            swap_ins = _plan_swap_ins(graph, producer, index, far, config, constant)
+            swap_ins = _plan_swap_ins(graph, producer, index, far, config)
             if isinstance(swap_ins, str):
                 plan.skipped.append(Skip(tensor, info.nbytes, swap_ins))
                 continue
@@ -116,20 +116,26 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
     return None
 
 
-def constant_ops(graph: Graph) -> set[str]:
+def constant_ops(graph: Graph) -> frozenset[str]:
     """Ops computed from constants alone (the gradient seed `ones -> Tile -> ...`, shape arithmetic).
-    Grappler folds them into constants and drops control edges on them, so they cannot be triggers."""
-    constant: set[str] = set()
-    for name in graph.order:
-        op = graph[name]
-        preds = list(graph.predecessors(op))
-        if op.type == "Const" or (preds and all(p in constant for p in preds)):
-            constant.add(name)
-    return constant
+    Grappler folds them into constants and drops control edges on them, so they cannot be triggers.
+    Found once per graph: the auto-tuner plans the same graph dozens of times."""
+    cached = _CONSTANT_OPS.get(graph)
+    if cached is None:
+        constant: set[str] = set()
+        for name in graph.order:
+            op = graph[name]
+            preds = list(graph.predecessors(op))
+            if op.type == "Const" or (preds and all(p in constant for p in preds)):
+                constant.add(name)
+        cached = _CONSTANT_OPS[graph] = frozenset(constant)
+    return cached
 
 
-def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig,
-                   constant: set[str]) -> list[SwapIn] | str:
+_CONSTANT_OPS: "weakref.WeakKeyDictionary[Graph, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn] | str:
     groups: list[list[Op]] = []
     for consumer in far:
         if groups and consumer.level - groups[-1][0].level <= config.swapin_groupby:
@@ -140,7 +146,7 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
     for number, group in enumerate(groups):
         first = group[0]
         target = first.level - max(1, config.swapin_ahead)
-        trigger = find_trigger(graph, first, target, constant)
+        trigger = find_trigger(graph, first, target)
         if trigger is None:
             return f"no backward op that depends on data runs before {first.name} to start its swap-in"
         waiters = []
@@ -153,19 +159,35 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
     return swap_ins
 
 
-def find_trigger(graph: Graph, consumer: Op, target_level: int, constant: set[str] = frozenset()) -> Op | None:
+def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
     """Walks back from `consumer` along its latest backward input (data or control) that is neither a
     folded constant nor inside v1 control flow (a control edge out of a loop frame is illegal), until
     at or below `target_level`. Levels fall strictly along the walk, so the
     trigger can never depend on the swap-in it starts (no cycle)."""
-    current = consumer
-    while current.level > target_level:
-        backward = [graph[p] for p in graph.predecessors(current)
-                    if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
-        if not backward:
-            break
-        current = max(backward, key=lambda op: (op.level, op.name))
-    return None if current is consumer else current
+    latest = _latest_backward_inputs(graph)
+    current = consumer.name
+    while graph[current].level > target_level and latest[current] is not None:
+        current = latest[current]
+    return None if current == consumer.name else graph[current]
+
+
+def _latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
+    """For every op, the input `find_trigger` steps back to: its backward predecessor of the highest
+    level (then name) that is neither a folded constant nor inside v1 control flow; None if none.
+    Found once per graph, so a walk back over hundreds of levels costs one lookup per level."""
+    cached = _LATEST_BACKWARD.get(graph)
+    if cached is None:
+        constant = constant_ops(graph)
+        cached = {}
+        for name in graph.order:
+            backward = [graph[p] for p in graph.predecessors(graph[name])
+                        if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
+            cached[name] = max(backward, key=lambda op: (op.level, op.name)).name if backward else None
+        _LATEST_BACKWARD[graph] = cached
+    return cached
+
+
+_LATEST_BACKWARD: "weakref.WeakKeyDictionary[Graph, dict[str, str | None]]" = weakref.WeakKeyDictionary()
 
 
 def _shape_text(shape) -> str:

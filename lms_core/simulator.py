@@ -18,11 +18,17 @@ compute, and device memory per level.
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass, field
 
 from lms_core.graph import Graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.plan import Plan
+
+# Memory events at one instant are applied in this order. Buffers an op allocates as it starts
+# count together with those freed as its predecessor ends (Grappler's trace does the same), except
+# for an op that started the instant a copy it waited for arrived: a copy is an op of its own.
+ALLOC, FREE, ALLOC_AFTER_COPY = 0, 1, 2
 
 
 @dataclass
@@ -60,12 +66,56 @@ class CopyQueue:
         return start, end
 
 
+@dataclass(frozen=True)
+class StepStructure:
+    """What the simulator needs of a graph whatever the plan: built once per graph, because the
+    auto-tuner simulates the same graph dozens of times. The graph must not change afterwards
+    (passes have written their categories and levels)."""
+
+    position: dict[str, int]  # op -> index in the topological order (the last tie-break)
+    predecessor_count: dict[str, int]  # op -> distinct ops it waits for
+    successors: dict[str, tuple[str, ...]]  # op -> distinct ops that wait for it
+    outputs: dict[str, tuple[tuple[str, int], ...]]  # op -> its output tensors and their bytes
+    readers: dict[str, frozenset[str]]  # tensor -> ops reading it
+    inputs: dict[str, tuple[str, ...]]  # op -> distinct input tensors
+    loss_ops: frozenset[str]  # the producers the step's outputs read: the forward pass ends with them
+
+    @classmethod
+    def of(cls, graph: Graph) -> "StepStructure":
+        cached = _STRUCTURES.get(graph)
+        if cached is None:
+            cached = _STRUCTURES[graph] = cls._build(graph)
+        return cached
+
+    @classmethod
+    def _build(cls, graph: Graph) -> "StepStructure":
+        outputs, readers = {}, {}
+        for name in graph.order:
+            tensors = tuple((f"{name}:{i}", info.nbytes or 0) for i, info in enumerate(graph[name].outputs))
+            outputs[name] = tensors
+            for tensor, _ in tensors:
+                readers[tensor] = frozenset(c for c, _ in graph.consumers(tensor))
+        # The output ops themselves wait, through control edges, for the whole step.
+        loss_ops = frozenset(split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs)
+        return cls(
+            position={name: i for i, name in enumerate(graph.order)},
+            predecessor_count={name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order},
+            successors={name: tuple(dict.fromkeys(graph.successors(name))) for name in graph.order},
+            outputs=outputs, readers=readers,
+            inputs={name: tuple(dict.fromkeys(graph[name].inputs)) for name in graph.order},
+            loss_ops=loss_ops)
+
+
+_STRUCTURES: "weakref.WeakKeyDictionary[Graph, StepStructure]" = weakref.WeakKeyDictionary()
+
+
 def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
              keep_timeline: bool = False) -> SimulationResult:
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does."""
-    position = {name: i for i, name in enumerate(graph.order)}
+    structure = StepStructure.of(graph)
+    position = structure.position
     sync = plan.settings.get("sync_mode", 0)
 
     # Who reads what on the device once the plan is applied.
@@ -93,18 +143,18 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     last_end: dict[str, float] = {}
     nbytes: dict[str, int] = {}
     for name in graph.order:
-        op = graph[name]
-        for index, info in enumerate(op.outputs):
-            tensor = f"{name}:{index}"
-            nbytes[tensor] = info.nbytes or 0
-            readers = {c for c, _ in graph.consumers(tensor) if (c, tensor) not in reroute}
+        for tensor, size in structure.outputs[name]:
+            nbytes[tensor] = size
+            readers = structure.readers[tensor]
+            if tensor in swap_of:  # its far readers read a swap-in; the swap-out's copy reads it too
+                readers = {c for c in readers if (c, tensor) not in reroute}
             refs[tensor] = len(readers) + (1 if tensor in swap_of else 0)
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
             refs[swap_in.name] = len(set(swap_in.consumers))
             nbytes[swap_in.name] = swap.nbytes
 
-    events: list[tuple[float, int, int, str]] = []  # (time, allocations first, device delta, buffer)
+    events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
     host_events: list[tuple[float, int, int, str]] = []
     end: dict[str, float] = {}
     swapped_out_at: dict[str, float] = {}
@@ -113,9 +163,7 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     stream = 0.0
     d2h, h2d = CopyQueue(link.d2h_bytes_per_s), CopyQueue(link.h2d_bytes_per_s)
     stall = compute = 0.0
-    # The forward pass ends when the loss is computed: the producers the step's outputs read (the
-    # output ops themselves wait, through control edges, for the whole step).
-    loss_ops = {split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs}
+    loss_ops = structure.loss_ops  # the forward pass ends when the loss is computed
     forward_end: float | None = None
     op_end_times: list[tuple[float, int]] = []
 
@@ -125,29 +173,36 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
         """Queue an op whose inputs are produced, at the time its swap-ins arrive and the waits of
         the sync mode are met. A consumer whose swap-in has not been started (its trigger is an
         ancestor of the group's first consumer only) is parked until the trigger runs."""
-        ready = ready_at[name]
-        if name in waiters_out:
-            ready = max(ready, swapped_out_at[waiters_out[name]])
-        needs = [reroute[(name, t)] for t in graph[name].inputs if (name, t) in reroute] + waiters_in.get(name, [])
+        needs = [reroute[(name, t)] for t in structure.inputs[name] if (name, t) in reroute] + waiters_in.get(name, [])
         missing = next((s for s in needs if s not in arrival), None)
         if missing is not None:
             parked.setdefault(missing, []).append(name)
             return
-        heapq.heappush(queue, (max([ready, *(arrival[s] for s in needs)]), graph[name].level, position[name], name))
+        copies = [arrival[s] for s in needs]
+        if name in waiters_out:
+            copies.append(swapped_out_at[waiters_out[name]])
+        copied_at = max(copies, default=-1.0)
+        # A copy ends after the op that started it, however fast the link: an op whose last wait is
+        # a copy queues behind the ops that became ready at the same instant without one, and its
+        # buffers are allocated after that instant's frees. With an infinite link this is the limit
+        # of ever faster links, and Grappler's order, where the swap-in is an op of its own.
+        after_copy = 1 if copied_at >= ready_at[name] else 0
+        heapq.heappush(queue, (max(ready_at[name], copied_at), after_copy, graph[name].level, position[name], name))
 
     def release(buffer: str, at: float) -> None:
         last_end[buffer] = max(last_end.get(buffer, 0.0), at)
         refs[buffer] -= 1
         if refs[buffer] == 0 and nbytes[buffer]:
-            events.append((last_end[buffer], 1, -nbytes[buffer], buffer))
+            events.append((last_end[buffer], FREE, -nbytes[buffer], buffer))
 
-    pending = {name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order}
+    pending = dict(structure.predecessor_count)
     ready_at = {name: 0.0 for name in graph.order}
-    queue = [(0.0, graph[n].level, position[n], n) for n, count in pending.items() if count == 0]
+    queue = [(0.0, 0, graph[n].level, position[n], n) for n, count in pending.items() if count == 0]
     heapq.heapify(queue)
     while queue:
-        ready, _, _, name = heapq.heappop(queue)
+        ready, after_copy, _, _, name = heapq.heappop(queue)
         op = graph[name]
+        outputs = structure.outputs[name]
         start = max(stream, ready)
         stall += start - stream  # the stream idles only while waiting for a copy
         cost = costs.get(name, 0.0)
@@ -157,40 +212,38 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
         end[name] = finish
         if name in loss_ops:
             forward_end = finish if forward_end is None else max(forward_end, finish)
-        for index in range(len(op.outputs)):
-            tensor = f"{name}:{index}"
-            if nbytes[tensor]:
-                events.append((start, 0, nbytes[tensor], tensor))
-            if refs[tensor] == 0 and nbytes[tensor]:
-                events.append((finish, 1, -nbytes[tensor], tensor))
-        for tensor in dict.fromkeys(op.inputs):
+        for tensor, size in outputs:
+            if size:
+                events.append((start, ALLOC_AFTER_COPY if after_copy and start == ready else ALLOC, size, tensor))
+                if refs[tensor] == 0:
+                    events.append((finish, FREE, -size, tensor))
+        for tensor in structure.inputs[name]:
             buffer = reroute.get((name, tensor), tensor)
             if buffer in refs:
                 release(buffer, finish)
         op_end_times.append((finish, op.level))
 
-        for index in range(len(op.outputs)):  # swap-outs: copy to the host when produced
-            tensor = f"{name}:{index}"
+        for tensor, _ in outputs:  # swap-outs: copy to the host when produced
             swap = swap_of.get(tensor)
             if swap is None:
                 continue
             copy_start, copy_end = d2h.copy(finish, swap.nbytes)
-            host_events.append((copy_start, 0, swap.nbytes, tensor))
+            host_events.append((copy_start, ALLOC, swap.nbytes, tensor))
             swapped_out_at[tensor] = copy_end
             release(tensor, copy_end)
 
         for swap_in_name in triggers.get(name, []):  # swap-ins this op starts
             swap, _ = swap_in_of[swap_in_name]
             copy_start, copy_end = h2d.copy(max(finish, swapped_out_at[swap.tensor]), swap.nbytes)
-            events.append((copy_start, 0, swap.nbytes, swap_in_name))
+            events.append((copy_start, ALLOC, swap.nbytes, swap_in_name))
             arrival[swap_in_name] = copy_end
             for waiting in parked.pop(swap_in_name, []):
                 enqueue(waiting)
             host_refs[swap.tensor] -= 1
             if host_refs[swap.tensor] == 0:
-                host_events.append((copy_end, 1, -swap.nbytes, swap.tensor))
+                host_events.append((copy_end, FREE, -swap.nbytes, swap.tensor))
 
-        for succ in set(graph.successors(name)):
+        for succ in structure.successors[name]:
             ready_at[succ] = max(ready_at[succ], finish)
             pending[succ] -= 1
             if pending[succ] == 0:

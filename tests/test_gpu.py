@@ -42,3 +42,22 @@ def test_the_link_of_a_real_gpu_is_read_from_nvml_and_measured():
     assert detected is not None and detected.h2d_bytes_per_s > 1e9
     measured = measure_link()
     assert 1e9 < measured.h2d_bytes_per_s < 1e12 and 1e9 < measured.d2h_bytes_per_s < 1e12
+
+
+def test_op_times_on_a_gpu_come_from_its_kernels():
+    import lms_core.tf as lms_tf
+    from lms_core.config import LMSConfig
+    from lms_core.tf.op_profile import profile_step, sample_inputs
+    from tests.lms_models import conv_relu_step
+
+    step, specs = conv_relu_step((64, 64, 3), batch=16, blocks=3, filters=32)
+    config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, min_tensor_bytes=0)
+    rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:GPU:0")
+    batch = sample_inputs(specs, "/device:GPU:0")
+    times = profile_step(lambda: float(rewritten(*batch)), rewritten.planned.graph.order, steps=2)
+    assert times.source.startswith("device")  # CUPTI kernel events, not only host launches
+    graph = rewritten.planned.graph
+    # Backward convolutions are never fused by Grappler's remapper, so each must have kernel time
+    # (a forward Conv2D may run inside a _FusedConv2D named after its BiasAdd or Relu).
+    backward = [n for n in graph.order if graph[n].type.startswith("Conv2DBackprop")]
+    assert backward and all(times.seconds.get(n, 0) > 0 for n in backward)

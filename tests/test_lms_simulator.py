@@ -123,23 +123,56 @@ def test_a_slow_link_stalls_and_a_fast_one_hides_the_copies():
     assert slow_run.peak_device_bytes >= fast_run.peak_device_bytes
 
 
-@pytest.mark.parametrize("batch", [32, 64, 128])
-def test_with_an_infinite_link_resnet50_peaks_match_grappler_within_10_percent(batch):
+@pytest.mark.parametrize("sync_mode", [0, 1, 2, 3])
+def test_an_infinite_link_is_the_limit_of_ever_faster_links(sync_mode):
+    """A copy, however fast, ends after the op that started it: the op waiting for it allocates its
+    output after the frees of that instant, so zero-time copies give the same peak as tiny ones."""
+    g = chain_step()
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=4, swapin_ahead=1, sync_mode=sync_mode, min_tensor_bytes=MIB))
+    instant = simulate(g, plan, unit_costs(g), INFINITE)
+    nearly = simulate(g, plan, unit_costs(g), LinkRates("fast", 1e21, 1e21, "test"))
+    assert instant.peak_device_bytes == nearly.peak_device_bytes
+    assert instant.step_time_s == pytest.approx(nearly.step_time_s)
+
+
+def unet3d_paper(size: int):
+    """The paper recipe's 3D U-Net (depth 4, 32 base filters, 4 channels and classes) at size^3."""
+    def build():
+        from launcher.tasks.unet3d import unet3d
+
+        return (unet3d([size, size, size, 4], classes=4, depth=4, base_filters=32),
+                ((1, size, size, size, 4), (1, size, size, size)))
+    return build
+
+
+# ResNet-50 with the default settings; the U-Net with recipes/unet3d.yaml's (synchronous copies).
+UNET_RECIPE_LMS = LMSConfig(enabled=True, swapout_threshold=4, swapin_ahead=1, sync_mode=3)
+AGAINST_GRAPPLER = [("resnet50", batch, LMSConfig(enabled=True)) for batch in (32, 64, 128)]
+AGAINST_GRAPPLER += [("unet3d", size, UNET_RECIPE_LMS) for size in (96, 144, 192)]
+
+
+@pytest.mark.parametrize("model, size, config", AGAINST_GRAPPLER,
+                         ids=[f"{model}-{size}" for model, size, _ in AGAINST_GRAPPLER])
+def test_with_an_infinite_link_the_peaks_match_grappler_within_10_percent(model, size, config):
     pytest.importorskip("tensorflow")
     import lms_core.tf as lms_tf
     from lms_core.costs import step_costs
 
-    _, _, step, specs, _ = training_step(resnet50_imagenet(batch))
-    config = LMSConfig(enabled=True)
+    build = resnet50_imagenet(size) if model == "resnet50" else unet3d_paper(size)
+    _, _, step, specs, _ = training_step(build)
     rewritten = lms_tf.rewrite(step, *specs, config=config)
+    assert rewritten.plan.swaps
     grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
-    _, graph, plan = lms_tf.plan_step(step, *specs, config=config)
+    graph, plan = rewritten.planned.graph, rewritten.plan
     costs = step_costs(graph, PROFILES["v100"])
     sim_base = simulate(graph, Plan(settings=plan.settings), costs, INFINITE)
     sim_lms = simulate(graph, plan, costs, INFINITE)
     assert sim_base.peak_device_bytes == pytest.approx(grappler_base.device_bytes, rel=0.10)
     assert sim_lms.peak_device_bytes == pytest.approx(grappler_lms.device_bytes, rel=0.10)
+    assert sim_lms.peak_device_bytes < 0.6 * sim_base.peak_device_bytes  # and the swaps matter
     for link in ("nvlink2", "pcie3"):  # real links take time: never less memory than the estimate
         real = simulate(graph, plan, costs, NAMED_LINKS[link])
+        # 0.1%: the two may find their peaks at different moments of the same large-tensor total
+        # that differ by a few kilobyte-sized weight gradients (measured on the U-Net: 0.03%).
         assert real.peak_device_bytes >= grappler_lms.device_bytes * 0.999
         assert real.step_time_s >= sim_lms.step_time_s and not math.isnan(real.hidden_share)

@@ -5,11 +5,12 @@ import json
 
 import pytest
 
-from lms_core.config import LMSConfig
+from lms_core.config import CustomDevice, LMSConfig
+from lms_core.costs import PROFILES, op_seconds
 from lms_core.link import NAMED_LINKS, LinkRates
 from lms_core.tuner import tune
 from tests.test_lms_planner import MIB
-from tests.test_lms_simulator import chain_step, unit_costs
+from tests.test_lms_simulator import chain_step, conv_graph, unit_costs
 
 BASE = LMSConfig(enabled=True, min_tensor_bytes=MIB)
 SLOW = LinkRates("slow", 2 * MIB, 2 * MIB, "test")  # 2 s per 4 MiB activation
@@ -53,6 +54,19 @@ def test_tuning_is_deterministic():
     assert runs[0].plan.to_json() == runs[1].plan.to_json()
 
 
+def test_the_threshold_is_tuned_again_once_the_swap_ins_are_on_time():
+    """Swap-ins started 2 levels ahead (the search's start) come back too early to lower this step's
+    peak at any threshold, so the first round swaps all three activations. With them 1 level ahead,
+    swapping two suffices, and only that plan fits a 9 MiB host budget: found in the second round."""
+    g = chain_step()
+    result = tune(g, unit_costs(g), FAST, device_budget_bytes=5 * 4 * MIB + 1024, host_budget_bytes=9 * MIB,
+                  base=BASE)
+    assert result.fits
+    assert (result.config.swapout_threshold, result.config.swapin_ahead) == (4, 1)
+    assert [s.tensor for s in result.plan.swaps] == ["a:0", "b:0"]
+    assert result.simulation.peak_host_bytes == 8 * MIB
+
+
 def test_the_host_budget_is_respected():
     g = chain_step()
     result = tune(g, unit_costs(g), FAST, device_budget_bytes=5 * 4 * MIB + 1024, host_budget_bytes=MIB, base=BASE)
@@ -65,11 +79,12 @@ def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
     from tests.conftest import RECIPES
 
     args = [str(RECIPES / "unet3d-cpu.yaml"), "--set", "lms.mode=auto", "--set", "lms.min_tensor_bytes=0",
-            "--device-memory", "24MiB", "--link", "pcie3", "--device", "a100", "--plot"]
+            "--device-memory", "24MiB", "--host-memory", "64GiB", "--link", "pcie3", "--device", "a100", "--plot"]
     assert plan_command.main(args + ["--out", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["link"].startswith("pcie3") and plan["device_profile"].startswith("a100")
     assert plan["settings"]["mode"] == "auto" and plan["tuning"].startswith("auto-tuned")
+    assert "of 51.20 GiB budget" in plan["tuning"]  # host: 64 GiB x lms.host_memory_ratio 0.8
     assert plan["device_memory_bytes"] == 24 * MIB
     assert set(plan["prediction"]) >= {"peak_device_bytes", "step_time_s", "stall_time_s", "hidden_share"}
     png = (tmp_path / "plan.png").read_bytes()
@@ -79,10 +94,15 @@ def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--link", "pcie9"], "lms.link: unknown link 'pcie9'"),
-    (["--device", "tpu"], "lms.device: must be auto or one of v100"),
+    (["--device", "tpu"], "lms.device: must be auto, one of v100"),
     (["--device-memory", "lots"], "lms.device_memory: 'lots' is not a size"),
+    (["--host-memory", "0"], "lms.host_memory: 0: a size must be positive"),
     (["--set", "lms.mode=fast"], "lms.mode: must be auto or manual"),
     (["--set", "lms.memory_ratio=2"], "lms.memory_ratio: must be in (0, 1]"),
+    (["--set", "lms.device={tflops: 30, memory: 24GiB}"], "lms.device.memory_gb_per_s: a custom device needs"),
+    (["--set", "lms.device={tflops: 30, memory_gb_per_s: 900, memory: 24GiB, flops: 1}"],
+     "unknown key 'lms.device.flops'; did you mean 'lms.device.tflops'?"),
+    (["--set", "lms.profile_steps=0"], "lms.profile_steps: must be >= 1"),
 ])
 def test_bad_targets_exit_2_naming_the_key(tmp_path, capsys, args, message):
     from launcher import plan_command
@@ -95,3 +115,32 @@ def test_bad_targets_exit_2_naming_the_key(tmp_path, capsys, args, message):
 
 def test_named_links_are_distinct_enough_to_matter():
     assert NAMED_LINKS["nvlink2"].d2h_bytes_per_s / NAMED_LINKS["pcie3"].d2h_bytes_per_s > 5
+
+
+def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_for():
+    from launcher.lms_step import device_profile
+    from launcher.recipe import load_recipe
+    from tests.conftest import RECIPES
+
+    recipe = load_recipe(RECIPES / "unet3d-cpu.yaml",
+                         ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB, name: l40}"])
+    profile, memory, why = device_profile(recipe.lms, gpu=None)
+    assert (profile.name, profile.flops_per_s, profile.memory_bytes_per_s) == ("l40", 30e12, 1200e9)
+    assert memory == 24 << 30 and why == "lms.device: custom profile"
+    # Twice the FLOP/s of a v100 profile and the same bandwidth: a compute-bound op takes half as long.
+    g = conv_graph()
+    fast = CustomDevice(tflops=31.4, memory_gb_per_s=900, memory="16GiB").profile()
+    ratio = (op_seconds(g, g["conv"], fast) - fast.launch_overhead_s) / (
+        op_seconds(g, g["conv"], PROFILES["v100"]) - PROFILES["v100"].launch_overhead_s)
+    assert ratio == pytest.approx(0.5)
+
+
+def test_a_cpu_rank_asked_to_measure_its_link_falls_back_and_says_why():
+    from launcher.lms_step import rank_target
+
+    lms = LMSConfig(enabled=True, link="auto", link_fallback="pcie4", measure_link=True)
+    target, lines = rank_target(lms, rank=0, local_rank=0, local_size=2, on_gpu=False)
+    assert target.link == NAMED_LINKS["pcie4"] and target.measured_op_seconds is None
+    assert "no GPU, so the recipe's lms.link_fallback" in lines[0]
+    assert "lms.measure_link needs a GPU" in lines[0]
+    assert target.device.name == "v100" and target.device_memory_bytes == 16 << 30

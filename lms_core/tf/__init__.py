@@ -7,10 +7,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lms_core.config import LMSConfig, SettingError
-from lms_core.costs import DeviceProfile, step_costs
+from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
 from lms_core.passes.pipeline import analyze as run_analyses
@@ -33,6 +34,7 @@ class Target:
     device: DeviceProfile
     device_memory_bytes: int
     host_memory_bytes: int
+    measured_op_seconds: dict[str, float] | None = None  # from the profiler (lms.measure_ops), by op name
 
 
 @dataclass
@@ -42,6 +44,7 @@ class PlannedStep:
     plan: Plan
     tuning: TuningResult | None  # when lms.mode is auto
     simulation: SimulationResult | None  # the prediction for the chosen plan, when planned for a target
+    costs: dict[str, float] | None = None  # seconds per op the simulation used, when planned for a target
 
 
 def analyze(graph: Graph) -> Graph:
@@ -67,7 +70,11 @@ def plan_for(step, *input_specs, config: LMSConfig, compute_device: str = "/devi
         raise SettingError("mode", "auto needs a target (link, device, memory) to tune for; use manual or give one")
     if target is None:
         return PlannedStep(concrete, graph, plan_swaps(graph, config, compute_device, data_inputs=batch), None, None)
-    costs = step_costs(graph, target.device)
+    if target.measured_op_seconds:
+        costs, calibration = calibrated_costs(graph, target.device, target.measured_op_seconds)
+        cost_model = calibration.describe()
+    else:
+        costs, cost_model = step_costs(graph, target.device), f"costs: roofline model of {target.device.name}"
     tuning = None
     if config.mode == "auto":
         tuning = tune(graph, costs, target.link, int(target.device_memory_bytes * config.memory_ratio),
@@ -79,14 +86,14 @@ def plan_for(step, *input_specs, config: LMSConfig, compute_device: str = "/devi
         plan = plan_swaps(graph, config, compute_device, data_inputs=batch)
         simulation = simulate(graph, plan, costs, target.link)
         unlimited = simulate(graph, Plan(settings=plan.settings), costs, target.link)
-    plan.link, plan.device_profile = target.link.describe(), target.device.describe()
+    plan.link, plan.device_profile, plan.cost_model = target.link.describe(), target.device.describe(), cost_model
     plan.prediction = {
         "peak_device_bytes": simulation.peak_device_bytes, "peak_host_bytes": simulation.peak_host_bytes,
         "step_time_s": simulation.step_time_s, "unlimited_step_time_s": unlimited.step_time_s,
         "stall_time_s": simulation.stall_time_s, "transfer_time_s": simulation.transfer_time_s,
         "hidden_share": simulation.hidden_share,
     }
-    return PlannedStep(concrete, graph, plan, tuning, simulation)
+    return PlannedStep(concrete, graph, plan, tuning, simulation, costs)
 
 
 def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0"):
@@ -112,8 +119,6 @@ def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/devic
 
 
 def _manual(config: LMSConfig) -> LMSConfig:
-    import dataclasses
-
     return dataclasses.replace(config, mode="manual")
 
 

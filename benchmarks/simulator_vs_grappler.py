@@ -1,0 +1,55 @@
+"""The simulator's peak-memory prediction against TensorFlow's Grappler estimate, on the papers' two
+networks at three sizes each, before and after the LMS rewrite.
+
+    .venv/bin/python benchmarks/simulator_vs_grappler.py
+
+With an infinitely fast link the simulator models what Grappler models (no transfer time), so the two
+peaks should agree (the goal: within 10%); with the real links nvlink2 and pcie3, copies hold device
+buffers longer, so the simulator's peak should never be below Grappler's. ResNet-50 is planned with the
+default settings, the U-Net with recipes/unet3d.yaml's (threshold 4, ahead 1, sync 3).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+GIB = 2**30
+
+
+def main() -> int:
+    import lms_core.tf as lms_tf
+    from keras_steps import resnet_step, unet3d_step  # beside this script
+    from lms_core.config import LMSConfig
+    from lms_core.costs import PROFILES, step_costs
+    from lms_core.link import INFINITE, NAMED_LINKS
+    from lms_core.plan import Plan
+    from lms_core.simulator import simulate
+
+    cases = [("ResNet-50", f"batch {b}", lambda b=b: resnet_step("ResNet50", b), LMSConfig(enabled=True))
+             for b in (32, 64, 128)]
+    unet_lms = LMSConfig(enabled=True, swapout_threshold=4, swapin_ahead=1, sync_mode=3)
+    cases += [("3D U-Net", f"{s}^3", lambda s=s: unet3d_step(s), unet_lms) for s in (96, 144, 192)]
+    print(f"peaks in GiB; sim = simulator (v100 costs), ratio = sim / Grappler; {os.cpu_count()} CPU(s)")
+    print(f"{'model':<10} {'size':<10} {'Grappler':>9} {'sim':>7} {'ratio':>6} | {'Grappler LMS':>12} {'sim LMS':>8} "
+          f"{'ratio':>6} | {'nvlink2':>8} {'pcie3':>7}  seconds")
+    for model, size, build, config in cases:
+        started = time.perf_counter()
+        step, specs = build()
+        rewritten = lms_tf.rewrite(step, *specs, config=config)
+        grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
+        graph, plan = rewritten.planned.graph, rewritten.plan
+        costs = step_costs(graph, PROFILES["v100"])
+        base = simulate(graph, Plan(settings=plan.settings), costs, INFINITE).peak_device_bytes
+        lms = simulate(graph, plan, costs, INFINITE).peak_device_bytes
+        real = [simulate(graph, plan, costs, NAMED_LINKS[link]).peak_device_bytes for link in ("nvlink2", "pcie3")]
+        print(f"{model:<10} {size:<10} {grappler_base.device_bytes / GIB:9.2f} {base / GIB:7.2f} "
+              f"{base / grappler_base.device_bytes:6.3f} | {grappler_lms.device_bytes / GIB:12.2f} {lms / GIB:8.2f} "
+              f"{lms / grappler_lms.device_bytes:6.3f} | {real[0] / GIB:8.2f} {real[1] / GIB:7.2f}  "
+              f"{time.perf_counter() - started:.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

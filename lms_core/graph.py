@@ -5,8 +5,10 @@ onto ops by passes (lms_core.passes) and read by the planner; the IR itself know
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 # Categories written by lms_core.passes.categorize.
 FORWARD = "forward"
@@ -130,3 +132,21 @@ class Graph:
             stuck = sorted(n for n, d in indegree.items() if d > 0)[:5]
             raise ValueError(f"the graph has a cycle (ops never ready: {', '.join(stuck)}, ...)")
         return order
+
+
+Derived = TypeVar("Derived")
+
+
+def once_per_graph(derive: Callable[["Graph"], Derived]) -> Callable[["Graph"], Derived]:
+    """Computes `derive(graph)` once per graph object and remembers it while the graph lives. For facts
+    that do not depend on a plan (the auto-tuner plans and simulates one graph dozens of times); the
+    graph must not be edited afterwards, which holds once the passes have written their analyses."""
+    results: "weakref.WeakKeyDictionary[Graph, Derived]" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(derive)
+    def cached(graph: "Graph") -> Derived:
+        if graph not in results:
+            results[graph] = derive(graph)
+        return results[graph]
+
+    return cached

@@ -8,11 +8,10 @@ runs just before it). Near consumers keep reading the original tensor.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import asdict
 
 from lms_core.config import LMSConfig
-from lms_core.graph import BACKWARD, FORWARD, Graph, Op, tensor_name
+from lms_core.graph import BACKWARD, FORWARD, Graph, Op, once_per_graph, tensor_name
 from lms_core.plan import Plan, Skip, Swap, SwapIn
 
 # Never swapped, whatever their size: variables are already resident and updated in place,
@@ -118,21 +117,14 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
 
 def constant_ops(graph: Graph) -> frozenset[str]:
     """Ops computed from constants alone (the gradient seed `ones -> Tile -> ...`, shape arithmetic).
-    Grappler folds them into constants and drops control edges on them, so they cannot be triggers.
-    Found once per graph: the auto-tuner plans the same graph dozens of times."""
-    cached = _CONSTANT_OPS.get(graph)
-    if cached is None:
-        constant: set[str] = set()
-        for name in graph.order:
-            op = graph[name]
-            preds = list(graph.predecessors(op))
-            if op.type == "Const" or (preds and all(p in constant for p in preds)):
-                constant.add(name)
-        cached = _CONSTANT_OPS[graph] = frozenset(constant)
-    return cached
-
-
-_CONSTANT_OPS: "weakref.WeakKeyDictionary[Graph, frozenset[str]]" = weakref.WeakKeyDictionary()
+    Grappler folds them into constants and drops control edges on them, so they cannot be triggers."""
+    constant: set[str] = set()
+    for name in graph.order:
+        op = graph[name]
+        preds = list(graph.predecessors(op))
+        if op.type == "Const" or (preds and all(p in constant for p in preds)):
+            constant.add(name)
+    return frozenset(constant)
 
 
 def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn] | str:
@@ -171,23 +163,18 @@ def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
     return None if current == consumer.name else graph[current]
 
 
+@once_per_graph
 def _latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
     """For every op, the input `find_trigger` steps back to: its backward predecessor of the highest
     level (then name) that is neither a folded constant nor inside v1 control flow; None if none.
     Found once per graph, so a walk back over hundreds of levels costs one lookup per level."""
-    cached = _LATEST_BACKWARD.get(graph)
-    if cached is None:
-        constant = constant_ops(graph)
-        cached = {}
-        for name in graph.order:
-            backward = [graph[p] for p in graph.predecessors(graph[name])
-                        if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
-            cached[name] = max(backward, key=lambda op: (op.level, op.name)).name if backward else None
-        _LATEST_BACKWARD[graph] = cached
-    return cached
-
-
-_LATEST_BACKWARD: "weakref.WeakKeyDictionary[Graph, dict[str, str | None]]" = weakref.WeakKeyDictionary()
+    constant = constant_ops(graph)
+    latest: dict[str, str | None] = {}
+    for name in graph.order:
+        backward = [graph[p] for p in graph.predecessors(graph[name])
+                    if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
+        latest[name] = max(backward, key=lambda op: (op.level, op.name)).name if backward else None
+    return latest
 
 
 def _shape_text(shape) -> str:

@@ -18,10 +18,9 @@ compute, and device memory per level.
 from __future__ import annotations
 
 import heapq
-import weakref
 from dataclasses import dataclass, field
 
-from lms_core.graph import Graph, split_tensor
+from lms_core.graph import Graph, once_per_graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.plan import Plan
 
@@ -68,9 +67,8 @@ class CopyQueue:
 
 @dataclass(frozen=True)
 class StepStructure:
-    """What the simulator needs of a graph whatever the plan: built once per graph, because the
-    auto-tuner simulates the same graph dozens of times. The graph must not change afterwards
-    (passes have written their categories and levels)."""
+    """What the simulator needs of a graph whatever the plan (`step_structure` builds it once per
+    graph, because the auto-tuner simulates the same graph dozens of times)."""
 
     position: dict[str, int]  # op -> index in the topological order (the last tie-break)
     predecessor_count: dict[str, int]  # op -> distinct ops it waits for
@@ -80,33 +78,24 @@ class StepStructure:
     inputs: dict[str, tuple[str, ...]]  # op -> distinct input tensors
     loss_ops: frozenset[str]  # the producers the step's outputs read: the forward pass ends with them
 
-    @classmethod
-    def of(cls, graph: Graph) -> "StepStructure":
-        cached = _STRUCTURES.get(graph)
-        if cached is None:
-            cached = _STRUCTURES[graph] = cls._build(graph)
-        return cached
 
-    @classmethod
-    def _build(cls, graph: Graph) -> "StepStructure":
-        outputs, readers = {}, {}
-        for name in graph.order:
-            tensors = tuple((f"{name}:{i}", info.nbytes or 0) for i, info in enumerate(graph[name].outputs))
-            outputs[name] = tensors
-            for tensor, _ in tensors:
-                readers[tensor] = frozenset(c for c, _ in graph.consumers(tensor))
-        # The output ops themselves wait, through control edges, for the whole step.
-        loss_ops = frozenset(split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs)
-        return cls(
-            position={name: i for i, name in enumerate(graph.order)},
-            predecessor_count={name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order},
-            successors={name: tuple(dict.fromkeys(graph.successors(name))) for name in graph.order},
-            outputs=outputs, readers=readers,
-            inputs={name: tuple(dict.fromkeys(graph[name].inputs)) for name in graph.order},
-            loss_ops=loss_ops)
-
-
-_STRUCTURES: "weakref.WeakKeyDictionary[Graph, StepStructure]" = weakref.WeakKeyDictionary()
+@once_per_graph
+def step_structure(graph: Graph) -> StepStructure:
+    outputs, readers = {}, {}
+    for name in graph.order:
+        tensors = tuple((f"{name}:{i}", info.nbytes or 0) for i, info in enumerate(graph[name].outputs))
+        outputs[name] = tensors
+        for tensor, _ in tensors:
+            readers[tensor] = frozenset(c for c, _ in graph.consumers(tensor))
+    # The output ops themselves wait, through control edges, for the whole step.
+    loss_ops = frozenset(split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs)
+    return StepStructure(
+        position={name: i for i, name in enumerate(graph.order)},
+        predecessor_count={name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order},
+        successors={name: tuple(dict.fromkeys(graph.successors(name))) for name in graph.order},
+        outputs=outputs, readers=readers,
+        inputs={name: tuple(dict.fromkeys(graph[name].inputs)) for name in graph.order},
+        loss_ops=loss_ops)
 
 
 def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
@@ -114,7 +103,7 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does."""
-    structure = StepStructure.of(graph)
+    structure = step_structure(graph)
     position = structure.position
     sync = plan.settings.get("sync_mode", 0)
 

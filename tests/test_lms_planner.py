@@ -276,3 +276,18 @@ def test_an_optimizer_without_the_gradient_scope_is_still_update():
         if name != "gradient_tape/conv_input_grad":  # a gradient nothing reads: only the hint finds it
             assert bare[rename(name)].category == op.category, name
     assert bare["conv_input_grad"].category == "other"
+
+
+def test_facts_derived_once_per_graph_are_kept_per_graph_object():
+    from lms_core.graph import once_per_graph
+
+    calls = []
+
+    @once_per_graph
+    def op_count(graph: Graph) -> int:
+        calls.append(graph)
+        return len(graph)
+
+    small, larger = tiny_step(), tiny_step(extra=[Op("extra", "NoOp")])
+    assert (op_count(small), op_count(small), op_count(larger)) == (len(small), len(small), len(small) + 1)
+    assert calls == [small, larger]  # the second question about `small` was answered from memory

@@ -39,7 +39,7 @@ def main() -> int:
         step, specs = build()
         rewritten = lms_tf.rewrite(step, *specs, config=config)
         grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
-        graph, plan = rewritten.planned.graph, rewritten.plan
+        graph, plan = rewritten.planning.graph, rewritten.plan
         costs = step_costs(graph, PROFILES["v100"])
         base = simulate(graph, Plan(settings=plan.settings), costs, INFINITE).peak_device_bytes
         lms = simulate(graph, plan, costs, INFINITE).peak_device_bytes

@@ -8,12 +8,20 @@ from typing import Any
 
 @dataclass
 class SwapIn:
-    name: str  # the swap-in op added on the compute device
+    """One copy of a swapped tensor back to the compute device, made when `trigger` has run.
+
+    Two ops carry it: `name` sits on the host and waits for the trigger, so the copy to the device
+    (TensorFlow's `_Send`/`_Recv` pair from host to device) cannot start before the trigger is done;
+    `arrival` sits on the compute device and runs once the value is there. Consumers read `arrival`,
+    and "waits for the swap-in" (sync modes 2 and 3) means a control edge from `arrival`."""
+
+    name: str  # the gated swap-in op on the host device
+    arrival: str  # the op on the compute device that the consumers read
     trigger: str  # the op whose completion lets the copy back start
     trigger_level: int
     consumers: list[str]  # backward ops rerouted to read the swap-in
     consumer_levels: list[int]
-    waiters: list[str] = field(default_factory=list)  # sync_mode 2/3: ops held until the swap-in arrives
+    waiters: list[str] = field(default_factory=list)  # sync_mode 2/3: ops held until the value has arrived
 
 
 @dataclass

@@ -32,11 +32,29 @@ SHAPE_ONLY_TYPES = {"Shape", "ShapeN", "Size", "Rank"}
 
 def device_kind(device: str) -> str:
     """`/job:w/replica:0/task:0/device:GPU:1` -> `GPU`; '' when unplaced."""
+    return device_id(device)[0]
+
+
+def device_id(device: str) -> tuple[str, str]:
+    """`/job:w/replica:0/task:0/device:GPU:1` -> (`GPU`, `1`); the index is '' when not given
+    (`/gpu`), and both are '' when unplaced."""
     text = device.upper()
     for kind in ("GPU", "TPU", "CPU"):
-        if f"{kind}:" in text:
-            return kind
-    return ""
+        at = text.rfind(f"{kind}:")
+        if at >= 0:
+            return kind, text[at + len(kind) + 1:].split("/")[0]
+        if text.endswith(f"/{kind}") or text.endswith(f":{kind}"):
+            return kind, ""
+    return "", ""
+
+
+def on_other_device(device: str, compute_device: str) -> bool:
+    """Whether an op placed on `device` is known to run elsewhere than `compute_device`. Unplaced ops
+    run where the step runs; a missing index matches any index of the same kind."""
+    (kind, index), (compute_kind, compute_index) = device_id(device), device_id(compute_device)
+    if not kind or not compute_kind:
+        return False
+    return kind != compute_kind or bool(index and compute_index and index != compute_index)
 
 
 def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset()
@@ -46,7 +64,6 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     to the last backward one, so they are candidates like forward activations."""
     plan = Plan(settings=asdict(config), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
-    compute_kind = device_kind(compute_device)
     for name in graph.order:
         producer = graph[name]
         if producer.category != FORWARD and name not in data_inputs:
@@ -60,7 +77,7 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
                          key=lambda c: (c.level, c.name))
             if not far:
                 continue
-            reason = _reason_not_to_swap(producer, info, far, config, compute_kind)
+            reason = _reason_not_to_swap(producer, info, far, config, compute_device)
             if reason == "small":
                 plan.skipped_small += 1
                 continue
@@ -82,7 +99,7 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     return plan
 
 
-def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_kind: str) -> str | None:
+def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_device: str) -> str | None:
     if producer.type in NEVER_SWAPPED_TYPES and producer.category == FORWARD:
         return f"{producer.type} output: variables, constants and shape metadata are never swapped"
     if producer.region is not None:
@@ -96,8 +113,7 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
         return f"{info.dtype} tensors hold handles, not data"
     if info.nbytes is None:
         return f"unknown size (shape {_shape_text(info.shape)}, dtype {info.dtype})"
-    kind = device_kind(producer.device)
-    if compute_kind and kind and kind != compute_kind:
+    if on_other_device(producer.device, compute_device):
         return f"already off the compute device (on {producer.device})"
     if config.include_types and producer.type not in config.include_types:
         return f"op type {producer.type} not in lms.include_types"
@@ -146,7 +162,8 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
             # The trigger's backward successors wait for the copy, so it is done before they start.
             waiters = sorted({s for s in graph.successors(trigger.name) if graph[s].category == BACKWARD})
         swap_ins.append(SwapIn(
-            name=f"lms/swapin_{producer.name}_{index}_{number}", trigger=trigger.name, trigger_level=trigger.level,
+            name=f"lms/swapin_{producer.name}_{index}_{number}", arrival=f"lms/arrive_{producer.name}_{index}_{number}",
+            trigger=trigger.name, trigger_level=trigger.level,
             consumers=[c.name for c in group], consumer_levels=[c.level for c in group], waiters=waiters))
     return swap_ins
 

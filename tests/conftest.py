@@ -12,6 +12,16 @@ import pytest
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 REPO = Path(__file__).resolve().parent.parent
+# Two logical CPU devices, as a CPU rank with LMS on has them: the LMS tests run the rewritten step
+# with compute on /device:CPU:1 and host /device:CPU:0, so TensorFlow partitions it across devices
+# with _Send/_Recv pairs as it would for a GPU. It must be set before TensorFlow creates its devices.
+COMPUTE, HOST = "/device:CPU:1", "/device:CPU:0"
+
+
+def pytest_configure(config):
+    from launcher.devices import split_cpu
+
+    split_cpu()
 RECIPES = REPO / "recipes"
 
 

@@ -1,5 +1,6 @@
 """Small Keras models and their training steps, for the LMS tests: the paper's two networks at toy
-sizes and two more architectures with branches (a DenseNet-style block, a Transformer encoder block)."""
+sizes and four more architectures: branches (a DenseNet-style block, a Transformer encoder block),
+depthwise convolutions (MobileNetV2's inverted residuals) and recurrence (an unrolled LSTM)."""
 from __future__ import annotations
 
 import keras
@@ -41,6 +42,34 @@ def transformer_block() -> tuple[keras.Model, tuple]:
     return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling1D()(x))), ((4, 32, 16), (4,))
 
 
+def mobilenet_v2_blocks() -> tuple[keras.Model, tuple]:
+    """A stem and three inverted residual blocks (Sandler et al. 2018): 1x1 expansion, 3x3 depthwise
+    convolution, 1x1 projection, batch norm and ReLU6, with a residual where the shape allows."""
+    def block(x, expand: int, filters: int, stride: int):
+        y = layers.ReLU(6.0)(layers.BatchNormalization()(layers.Conv2D(expand * x.shape[-1], 1, use_bias=False)(x)))
+        y = layers.DepthwiseConv2D(3, strides=stride, padding="same", use_bias=False)(y)
+        y = layers.ReLU(6.0)(layers.BatchNormalization()(y))
+        y = layers.BatchNormalization()(layers.Conv2D(filters, 1, use_bias=False)(y))
+        return layers.Add()([x, y]) if stride == 1 and x.shape[-1] == filters else y
+
+    inputs = keras.Input((32, 32, 3))
+    x = layers.ReLU(6.0)(layers.BatchNormalization()(layers.Conv2D(8, 3, strides=2, padding="same")(inputs)))
+    x = block(x, expand=4, filters=8, stride=1)
+    x = block(x, expand=4, filters=16, stride=2)
+    x = block(x, expand=4, filters=16, stride=1)
+    return keras.Model(inputs, layers.Dense(5)(layers.GlobalAveragePooling2D()(x))), ((4, 32, 32, 3), (4,))
+
+
+def lstm() -> tuple[keras.Model, tuple]:
+    """Two stacked LSTM layers over 8 time steps, unrolled (Keras `unroll=True`), so the recurrence
+    is plain ops whose per-step activations live until the backward pass reaches them: the
+    sequence-model case of Meng et al. (2017). A rolled LSTM is a While loop, which LMS leaves alone."""
+    inputs = keras.Input((8, 6))
+    x = layers.LSTM(16, return_sequences=True, unroll=True)(inputs)
+    x = layers.LSTM(16, unroll=True)(x)
+    return keras.Model(inputs, layers.Dense(5)(x)), ((4, 8, 6), (4,))
+
+
 def resnet50_imagenet(batch: int):
     """ResNet-50 at 224x224 with 1000 classes, as in the papers, for `training_step`."""
     def build() -> tuple[keras.Model, tuple]:
@@ -51,15 +80,17 @@ def resnet50_imagenet(batch: int):
 
 
 ARCHITECTURES = {"resnet50": resnet50, "unet3d": small_unet3d, "densenet_block": dense_block,
-                 "transformer_block": transformer_block}
+                 "transformer_block": transformer_block, "mobilenet_v2": mobilenet_v2_blocks, "lstm": lstm}
 
 
-def training_step(build, seed: int = 0):
-    """(model, optimizer, tf.function step, specs, one batch): the same every time for one seed."""
+def training_step(build, seed: int = 0, device: str | None = None):
+    """(model, optimizer, tf.function step, specs, one batch): the same every time for one seed.
+    The weights and optimizer state live on `device` (default: TensorFlow's)."""
     keras.utils.set_random_seed(seed)
-    model, (input_shape, label_shape) = build()
-    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-    optimizer.build(model.trainable_variables)
+    with tf.device(device):
+        model, (input_shape, label_shape) = build()
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        optimizer.build(model.trainable_variables)
     classes = model.output_shape[-1]
 
     @tf.function
@@ -72,8 +103,9 @@ def training_step(build, seed: int = 0):
         return loss
 
     specs = (tf.TensorSpec(input_shape, tf.float32), tf.TensorSpec(label_shape, tf.int32))
-    batch = (tf.random.stateless_uniform(input_shape, seed=[seed, 1]),
-             tf.random.stateless_uniform(label_shape, seed=[seed, 2], maxval=classes, dtype=tf.int32))
+    with tf.device(device):
+        batch = (tf.random.stateless_uniform(input_shape, seed=[seed, 1]),
+                 tf.random.stateless_uniform(label_shape, seed=[seed, 2], maxval=classes, dtype=tf.int32))
     return model, optimizer, step, specs, batch
 
 
@@ -97,3 +129,17 @@ def conv_relu_step(input_shape: tuple[int, int, int], batch: int, blocks: int = 
         return loss
 
     return step, (tf.TensorSpec([batch, *input_shape]), tf.TensorSpec([batch], tf.int32))
+
+
+def assert_same_training(losses, expected_losses, variables, expected_variables, rtol: float = 1e-6) -> None:
+    """Losses to `rtol`, and every weight to `rtol` of itself plus `rtol` of the model's largest
+    weight: a weight whose true gradient is zero holds rounding noise that any reordering of the
+    arithmetic moves, so it is judged on the model's scale, not its own (TF's assertAllClose idea)."""
+    import numpy as np
+
+    np.testing.assert_allclose(losses, expected_losses, rtol=rtol)
+    values = [np.asarray(v.numpy()) for v in variables]
+    expected = [np.asarray(v.numpy()) for v in expected_variables]
+    scale = max(float(np.max(np.abs(e))) for e in expected if e.size and e.dtype.kind == "f")
+    for variable, value, want in zip(expected_variables, values, expected):
+        np.testing.assert_allclose(value, want, rtol=rtol, atol=rtol * scale, err_msg=variable.path)

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_a_rank_is_pinned_to_one_gpu_with_memory_growth():
-    from launcher.worker import pin_device
+    from launcher.devices import pin_device
 
     gpus = tf.config.list_physical_devices("GPU")
     assert pin_device(local_rank=len(gpus) + 1) == "GPU:0"  # wraps around when ranks outnumber GPUs
@@ -54,9 +54,9 @@ def test_op_times_on_a_gpu_come_from_its_kernels():
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, min_tensor_bytes=0)
     rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:GPU:0")
     batch = sample_inputs(specs, "/device:GPU:0")
-    times = profile_step(lambda: float(rewritten(*batch)), rewritten.planned.graph.order, steps=2)
+    times = profile_step(lambda: float(rewritten(*batch)), rewritten.planning.graph.order, steps=2)
     assert times.source.startswith("device")  # CUPTI kernel events, not only host launches
-    graph = rewritten.planned.graph
+    graph = rewritten.planning.graph
     # Backward convolutions are never fused by Grappler's remapper, so each must have kernel time
     # (a forward Conv2D may run inside a _FusedConv2D named after its BiasAdd or Relu).
     backward = [n for n in graph.order if graph[n].type.startswith("Conv2DBackprop")]

@@ -11,23 +11,28 @@ import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
 from lms_core.tf.apply import KEEP_ATTR
 from lms_core.tf.verify import grappler_losses
-from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
+from tests.conftest import COMPUTE, HOST
+from tests.lms_models import ARCHITECTURES, assert_same_training, conv_relu_step, training_step
 
 CPU = "/device:CPU:0"
 SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
+# One device (compute and host the same: no partitioning) and split devices (compute /device:CPU:1,
+# host /device:CPU:0: TensorFlow partitions the step and copies across with _Send/_Recv, as on a GPU).
+DEVICE_PAIRS = {"one-device": (CPU, CPU), "split-devices": (COMPUTE, HOST)}
 
 
+@pytest.mark.parametrize("devices", sorted(DEVICE_PAIRS))
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_loss_and_every_weight_match_with_and_without_the_rewrite(name):
-    model_a, _, step_a, specs, batch = training_step(ARCHITECTURES[name])
-    losses_a = [float(step_a(*batch)) for _ in range(3)]
-    model_b, optimizer_b, step_b, _, _ = training_step(ARCHITECTURES[name])
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
+def test_loss_and_every_weight_match_with_and_without_the_rewrite(name, devices):
+    compute, host = DEVICE_PAIRS[devices]
+    model_a, _, step_a, specs, batch = training_step(ARCHITECTURES[name], device=compute)
+    with tf.device(compute):
+        losses_a = [float(step_a(*batch)) for _ in range(3)]
+    model_b, optimizer_b, step_b, _, _ = training_step(ARCHITECTURES[name], device=compute)
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=compute, host_device=host)
     assert rewritten.plan.swaps, "the test must exercise real swaps"
     losses_b = [float(rewritten(*batch)) for _ in range(3)]
-    np.testing.assert_allclose(losses_b, losses_a, rtol=1e-6)
-    for a, b in zip(model_a.variables, model_b.variables):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    assert_same_training(losses_b, losses_a, model_b.variables, model_a.variables)
     assert int(optimizer_b.iterations.numpy()) == 3  # the optimizer's own state was updated in place
 
 
@@ -52,17 +57,23 @@ def test_structural_golden_on_a_tiny_graph():
     (planned_in,) = rewritten.plan.swaps[0].swap_ins
     assert planned_in.name == swap_in and planned_in.consumers == [relu_grad]
 
-    out, back = nodes[swap_out], nodes[swap_in]
+    arrive = f"lms/arrive_{relu}_0_0"
+    assert planned_in.arrival == arrive
+
+    # Swap-out and gated swap-in on the host; the swap-in waits for the trigger, so the host's _Send
+    # of its value to the GPU does too. The consumer reads the arrival on the GPU.
+    out, back, arrival = nodes[swap_out], nodes[swap_in], nodes[arrive]
     assert (out.op, list(out.input), out.device) == ("Identity", [relu], CPU)
-    assert (back.op, list(back.input), back.device) == ("Identity", [swap_out, f"^{planned_in.trigger}"], "/device:GPU:0")
-    assert out.attr[KEEP_ATTR].b and back.attr[KEEP_ATTR].b
-    assert out.attr["T"].type == tf.float32.as_datatype_enum
-    assert swap_in in nodes[relu_grad].input and relu not in nodes[relu_grad].input
+    assert (back.op, list(back.input), back.device) == ("Identity", [swap_out, f"^{planned_in.trigger}"], CPU)
+    assert (arrival.op, list(arrival.input), arrival.device) == ("Identity", [swap_in], "/device:GPU:0")
+    assert all(n.attr[KEEP_ATTR].b and n.attr["T"].type == tf.float32.as_datatype_enum for n in (out, back, arrival))
+    assert arrive in nodes[relu_grad].input and relu not in nodes[relu_grad].input
     # The forward consumer (the pooling) still reads the original; so does the swap-out, and nothing else.
     assert sorted((n.op, n.name == swap_out) for n in nodes.values() if relu in n.input) == [
         ("Identity", True), ("Mean", False)]
     original = {n.name for n in rewritten.concrete.graph.as_graph_def().node}
-    assert set(nodes) - original == {swap_out, swap_in}
+    assert set(nodes) - original == {swap_out, swap_in, arrive}
+    assert rewritten.host_ops == {swap_out, swap_in}
 
 
 def test_swaps_survive_grapplers_default_optimization():
@@ -79,17 +90,18 @@ def test_swaps_survive_grapplers_default_optimization():
 
 def train_both_ways(forward, steps: int = 3):
     """Two fresh copies of a small conv net whose step computes its logits as `forward(model, x)`:
-    one trained as traced, one rewritten with SWAP_ALL. Asserts equal losses and weights after
-    `steps` steps and returns the rewritten step."""
+    one trained as traced, one rewritten with SWAP_ALL, both on split devices. Asserts equal losses
+    and weights after `steps` steps and returns the rewritten step."""
     import keras
 
     def build():
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((8, 8, 2))
-        x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(model.trainable_variables)
+        with tf.device(COMPUTE):
+            inputs = keras.Input((8, 8, 2))
+            x = keras.layers.ReLU()(keras.layers.Conv2D(4, 3, padding="same")(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x)))
+            optimizer = keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
 
         @tf.function
         def step(x, y):
@@ -104,12 +116,12 @@ def train_both_ways(forward, steps: int = 3):
     specs = (tf.TensorSpec([2, 8, 8, 2]), tf.TensorSpec([2], tf.int32))
     batch = (tf.random.stateless_uniform([2, 8, 8, 2], seed=[1, 1]), tf.constant([0, 2]))
     model_a, step_a = build()
-    expected = [float(step_a(*batch)) for _ in range(steps)]
+    with tf.device(COMPUTE):
+        expected = [float(step_a(*batch)) for _ in range(steps)]
     model_b, step_b = build()
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=CPU, host_device=CPU)
-    np.testing.assert_allclose([float(rewritten(*batch)) for _ in range(steps)], expected, rtol=1e-6)
-    for a, b in zip(model_a.variables, model_b.variables):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    assert_same_training([float(rewritten(*batch)) for _ in range(steps)], expected, model_b.variables,
+                         model_a.variables)
     return rewritten
 
 

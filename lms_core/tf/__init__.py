@@ -4,47 +4,34 @@
                                     compute_device="/device:GPU:0", host_device="/device:CPU:0")
     loss = rewritten(images, labels)   # same inputs, outputs and variable updates as step
     rewritten.plan                     # what was swapped, and why other tensors were not
+    lms_core.tf.gating.verify_gating(rewritten, images, labels)   # proven on the executed partitions
+
+It traces the step, describes its graph in the framework-neutral IR, hands it to
+`lms_core.planning` (which decides what to swap), applies the plan to the GraphDef and re-imports it.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from lms_core.config import LMSConfig, SettingError
-from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.graph import Graph
-from lms_core.link import LinkRates
 from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
-from lms_core.planner import device_kind, plan_swaps
-from lms_core.tf.apply import apply_plan
+from lms_core.planner import device_kind
+from lms_core.planning import Planning, Target, plan_graph
+from lms_core.tf.apply import Placement, apply_plan, host_ops
 from lms_core.tf.capture import graph_ir, trace
 from lms_core.tf.estimate import PeakEstimate, estimate_peak
 from lms_core.tf.reimport import RewrittenStep
-from lms_core.simulator import SimulationResult, simulate
-from lms_core.tuner import TuningResult, tune
 
 
 @dataclass
-class Target:
-    """What one rank plans for: its host-device link, its device's cost profile, and the memory it
-    may use on the device and on the host."""
+class TracedStep:
+    """A traced step, its analysed IR and the names of its batch inputs."""
 
-    link: LinkRates
-    device: DeviceProfile
-    device_memory_bytes: int
-    host_memory_bytes: int
-    measured_op_seconds: dict[str, float] | None = None  # from the profiler (lms.measure_ops), by op name
-
-
-@dataclass
-class PlannedStep:
-    concrete: object
+    concrete: object  # the tf ConcreteFunction
     graph: Graph
-    plan: Plan
-    tuning: TuningResult | None  # when lms.mode is auto
-    simulation: SimulationResult | None  # the prediction for the chosen plan, when planned for a target
-    costs: dict[str, float] | None = None  # seconds per op the simulation used, when planned for a target
+    data_inputs: frozenset[str]
 
 
 def analyze(graph: Graph) -> Graph:
@@ -57,77 +44,63 @@ def check_device(key: str, device: str) -> None:
         raise SettingError(key, f"must name a GPU or CPU device such as /device:GPU:0; got {device!r}")
 
 
-def plan_for(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0",
-             target: Target | None = None) -> PlannedStep:
-    """Traces `step` and plans its swaps: with `lms.mode: auto` the tuner picks the settings for
-    `target`; with `manual` the config's settings are used and, given a target, simulated."""
-    check_device("compute_device", compute_device)
+def trace_step(step, *input_specs) -> TracedStep:
     concrete = trace(step, *input_specs)
-    graph = analyze(graph_ir(concrete.graph))
     captured = {id(internal) for _, internal in concrete.graph.captures}
     batch = frozenset(t.op.name for t in concrete.graph.inputs if id(t) not in captured)
-    if config.mode == "auto" and target is None:
-        raise SettingError("mode", "auto needs a target (link, device, memory) to tune for; use manual or give one")
-    if target is None:
-        return PlannedStep(concrete, graph, plan_swaps(graph, config, compute_device, data_inputs=batch), None, None)
-    if target.measured_op_seconds:
-        costs, calibration = calibrated_costs(graph, target.device, target.measured_op_seconds)
-        cost_model = calibration.describe()
-    else:
-        costs, cost_model = step_costs(graph, target.device), f"costs: roofline model of {target.device.name}"
-    tuning = None
-    if config.mode == "auto":
-        tuning = tune(graph, costs, target.link, int(target.device_memory_bytes * config.memory_ratio),
-                      int(target.host_memory_bytes * config.host_memory_ratio), config, compute_device, batch)
-        plan, simulation = tuning.plan, tuning.simulation
-        plan.tuning, plan.warnings = tuning.describe(), list(tuning.warnings)
-        unlimited = tuning.unlimited
-    else:
-        plan = plan_swaps(graph, config, compute_device, data_inputs=batch)
-        simulation = simulate(graph, plan, costs, target.link)
-        unlimited = simulate(graph, Plan(settings=plan.settings), costs, target.link)
-    plan.link, plan.device_profile, plan.cost_model = target.link.describe(), target.device.describe(), cost_model
-    plan.prediction = {
-        "peak_device_bytes": simulation.peak_device_bytes, "peak_host_bytes": simulation.peak_host_bytes,
-        "step_time_s": simulation.step_time_s, "unlimited_step_time_s": unlimited.step_time_s,
-        "stall_time_s": simulation.stall_time_s, "transfer_time_s": simulation.transfer_time_s,
-        "hidden_share": simulation.hidden_share,
-    }
-    return PlannedStep(concrete, graph, plan, tuning, simulation, costs)
+    return TracedStep(concrete, analyze(graph_ir(concrete.graph)), batch)
 
 
 def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0"):
-    """Traces `step` and plans its swaps with the config's own settings (whatever `lms.mode` says:
-    there is no target to tune for): (concrete, IR, plan)."""
-    planned = plan_for(step, *input_specs, config=_manual(config), compute_device=compute_device)
-    return planned.concrete, planned.graph, planned.plan
+    """Traces `step` and plans its swaps with the config's own settings: (concrete, IR, plan)."""
+    check_device("compute_device", compute_device)
+    traced = trace_step(step, *input_specs)
+    planning = plan_graph(traced.graph, config, compute_device, traced.data_inputs)
+    return traced.concrete, traced.graph, planning.plan
 
 
 def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0",
-            host_device: str = "/device:CPU:0", target: Target | None = None) -> RewrittenStep:
-    """The step with the plan applied. With nothing to swap, the graph is re-imported unchanged.
-    `.planned` keeps the IR, the tuning and the simulation behind the plan. Without a `target`
-    there is nothing to tune for, so the config's own settings are used even in auto mode."""
+            host_device: str = "/device:CPU:0", target: Target | None = None,
+            placement: Placement = Placement.GATED_ON_HOST) -> RewrittenStep:
+    """The step with its plan applied (planned for `target`; see lms_core.planning for how
+    `lms.mode` is decided). With nothing to swap, the graph is re-imported unchanged.
+    `placement` is for the gating check's negative control only."""
+    check_device("compute_device", compute_device)
     check_device("host_device", host_device)
-    if config.mode == "auto" and target is None:
-        config = _manual(config)
-    planned = plan_for(step, *input_specs, config=config, compute_device=compute_device, target=target)
-    graph_def = apply_plan(planned.concrete.graph.as_graph_def(), planned.plan, compute_device, host_device)
-    rewritten = RewrittenStep(planned.concrete, graph_def, planned.plan)
-    rewritten.planned = planned
-    return rewritten
+    traced = trace_step(step, *input_specs)
+    planning = plan_graph(traced.graph, config, compute_device, traced.data_inputs, target)
+    return _applied(traced, planning, compute_device, host_device, placement)
 
 
-def _manual(config: LMSConfig) -> LMSConfig:
-    return dataclasses.replace(config, mode="manual")
+def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_device: str) -> RewrittenStep:
+    """Traces `step` and applies a plan made elsewhere (for instance on the same model traced at
+    another batch size: op names do not depend on shapes). Raises ValueError naming the first op the
+    plan refers to that this trace does not have."""
+    check_device("compute_device", compute_device)
+    check_device("host_device", host_device)
+    traced = trace_step(step, *input_specs)
+    referenced = [name for swap in plan.swaps
+                  for name in [swap.tensor.rpartition(":")[0], *swap.waiters,
+                               *(n for s in swap.swap_ins for n in (s.trigger, *s.consumers, *s.waiters))]]
+    missing = next((name for name in referenced if name not in traced.graph.ops), None)
+    if missing is not None:
+        raise ValueError(f"the plan refers to op {missing!r}, which this trace of the step does not have")
+    return _applied(traced, Planning(traced.graph, plan), compute_device, host_device, Placement.GATED_ON_HOST)
+
+
+def _applied(traced: TracedStep, planning: Planning, compute_device: str, host_device: str,
+             placement: Placement) -> RewrittenStep:
+    graph_def = apply_plan(traced.concrete.graph.as_graph_def(), planning.plan, compute_device, host_device, placement)
+    return RewrittenStep(traced.concrete, graph_def, planning.plan, planning=planning, compute_device=compute_device,
+                         host_device=host_device, host_ops=frozenset(host_ops(planning.plan, placement)))
 
 
 def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> tuple[PeakEstimate, PeakEstimate]:
     """Grappler's peak estimates for the original and the rewritten step on a virtual GPU of this
-    size; also written into `rewritten.plan` (`estimated_peak_bytes`, `estimated_host_bytes`)."""
+    size, with the rewrite's host-side ops on the host; also written into `rewritten.plan`
+    (`estimated_peak_bytes`, `estimated_host_bytes`)."""
     baseline = estimate_peak(rewritten.concrete.graph.as_graph_def(), rewritten.concrete, device_memory_bytes)
-    swap_outs = {swap.swap_out for swap in rewritten.plan.swaps}
-    lms = estimate_peak(rewritten.graph_def, rewritten.concrete, device_memory_bytes, host_ops=swap_outs)
+    lms = estimate_peak(rewritten.graph_def, rewritten.concrete, device_memory_bytes, host_ops=rewritten.host_ops)
     plan = rewritten.plan
     plan.device_memory_bytes = device_memory_bytes
     plan.estimated_peak_bytes = {"baseline": baseline.device_bytes, "lms": lms.device_bytes}
@@ -135,4 +108,6 @@ def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> tupl
     return baseline, lms
 
 
-__all__ = ["Target", "PlannedStep", "plan_for", "estimate_rewrite", "estimate_peak", "PeakEstimate", "RewrittenStep", "LMSConfig", "Plan", "analyze", "plan_step", "rewrite", "trace", "graph_ir", "apply_plan"]
+__all__ = ["Target", "Planning", "TracedStep", "Placement", "estimate_rewrite", "estimate_peak", "PeakEstimate",
+           "RewrittenStep", "LMSConfig", "Plan", "analyze", "plan_step", "rewrite", "rewrite_with_plan", "trace",
+           "trace_step", "graph_ir", "apply_plan"]

@@ -1,12 +1,31 @@
-"""Apply a Plan to a GraphDef: add swap-out/swap-in Identity ops and reroute the far consumers.
+"""Apply a Plan to a GraphDef: add swap-out and swap-in ops and reroute the far consumers.
 
-Swap-out: an `Identity` on the host device reading the forward tensor, so the tensor is copied to
-host memory and its device buffer can be freed once the near consumers are done. Swap-in: an
-`Identity` on the compute device reading the swap-out, with a control input from its trigger so the
-copy back waits until the backward pass is close to the consumers. Both carry
-`_grappler_do_not_remove`, or Grappler's dependency optimizer folds them away as no-op Identities.
+Where the ops sit decides whether anything is saved. With the compute device different from the
+host, TensorFlow partitions the step per device and turns every cross-device edge into a
+`_Send`/`_Recv` pair; a `_Recv` has no inputs, so the executor starts it with the step and it
+completes as soon as its `_Send` has run. So:
+
+- Swap-out: an `Identity` on the host reading the forward tensor. The device buffer is freed once
+  the copy to the host and the near consumers are done.
+- Swap-in (`SwapIn.name`): an `Identity` on the host reading the swap-out, with a control input from
+  the trigger. The host `_Send` that ships the value back runs only after it, so the copy to the
+  device waits for the trigger (the control edge crosses devices as a small control `_Send`/`_Recv`).
+- Arrival (`SwapIn.arrival`): an `Identity` on the compute device reading the swap-in. It runs when
+  the value has arrived, so consumers read it, and sync modes 2 and 3 make their waiters wait for it.
+
+All added ops carry `_grappler_do_not_remove`, or Grappler's dependency optimizer folds them away
+as no-op Identities. So do the triggers: Grappler rewrites some backward ops away (its arithmetic
+optimizer turns `Add(x, Neg(y))` into `Sub(x, y)`, which removed 9 of 582 triggers of a small
+ResNet-50), and a swap-in whose trigger is gone waits for nothing. `lms_core.tf.gating` proves the
+placement on the partition graphs TensorFlow executes.
+
+`Placement.UNGATED_ON_COMPUTE` builds the earlier, wrong placement (the swap-in on the compute device,
+reading a `_Recv` that completes right after the swap-out, in the forward pass): kept only so the
+gating check can be shown to fail on it.
 """
 from __future__ import annotations
+
+import enum
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
@@ -16,41 +35,58 @@ from lms_core.plan import Plan
 KEEP_ATTR = "_grappler_do_not_remove"
 
 
+class Placement(enum.Enum):
+    GATED_ON_HOST = "gated-on-host"  # the swap-in waits for its trigger on the host: the copy back does too
+    UNGATED_ON_COMPUTE = "ungated-on-compute"  # negative control: the copy back happens in the forward pass
+
+
 def graphdef_ref(tensor: str) -> str:
     """`op:0` -> `op`, `op:2` -> `op:2`: how GraphDef inputs name tensors."""
     op, _, index = tensor.rpartition(":")
     return op if index == "0" else tensor
 
 
-def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, host_device: str) -> graph_pb2.GraphDef:
+def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, host_device: str,
+               placement: Placement = Placement.GATED_ON_HOST) -> graph_pb2.GraphDef:
     """A new GraphDef with the plan's swaps; `graph_def` is left as it was."""
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
+    swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
     added = []
     for swap in plan.swaps:
         source = graphdef_ref(swap.tensor)
         dtype = tf.as_dtype(swap.dtype).as_datatype_enum
-        added.append(_identity(swap.swap_out, source, dtype, host_device, []))
+        added.append(_identity(swap.swap_out, source, dtype, host_device))
         for swap_in in swap.swap_ins:
-            added.append(_identity(swap_in.name, swap.swap_out, dtype, compute_device, [swap_in.trigger]))
+            nodes[swap_in.trigger].attr[KEEP_ATTR].b = True
+            added.append(_identity(swap_in.name, swap.swap_out, dtype, swap_in_device, controls=[swap_in.trigger]))
+            added.append(_identity(swap_in.arrival, swap_in.name, dtype, compute_device))
             for consumer in swap_in.consumers:
                 node = nodes[consumer]
                 for position, name in enumerate(node.input):
                     if name == source:
-                        node.input[position] = swap_in.name
+                        node.input[position] = swap_in.arrival
             for waiter in swap_in.waiters:
-                _add_control_input(nodes[waiter], swap_in.name)
+                _add_control_input(nodes[waiter], swap_in.arrival)
         for waiter in swap.waiters:
             _add_control_input(nodes[waiter], swap.swap_out)
     result.node.extend(added)
     return result
 
 
-def _identity(name: str, source: str, dtype: int, device: str, triggers: list[str]) -> node_def_pb2.NodeDef:
+def host_ops(plan: Plan, placement: Placement = Placement.GATED_ON_HOST) -> set[str]:
+    """The ops `apply_plan` puts on the host device."""
+    names = {swap.swap_out for swap in plan.swaps}
+    if placement is Placement.GATED_ON_HOST:
+        names |= {swap_in.name for swap in plan.swaps for swap_in in swap.swap_ins}
+    return names
+
+
+def _identity(name: str, source: str, dtype: int, device: str, controls: list[str] = ()) -> node_def_pb2.NodeDef:
     node = node_def_pb2.NodeDef(name=name, op="Identity", device=device)
     node.input.append(source)
-    node.input.extend(f"^{t}" for t in triggers)
+    node.input.extend(f"^{c}" for c in controls)
     node.attr["T"].type = dtype
     node.attr[KEEP_ATTR].b = True
     return node

@@ -13,22 +13,44 @@ IMPORT_SCOPE = "lms_step"
 
 
 class RewrittenStep:
-    """Called like the original step: same inputs, same outputs, same variables updated."""
+    """Called like the original step: same inputs, same outputs, same variables updated.
 
-    def __init__(self, concrete, graph_def, plan):
+    Besides the callable: `plan`, `graph_def` (the rewritten graph), `concrete` (the traced original),
+    `planning` (the IR, tuning and simulation behind the plan, when it was made here), the device
+    pair the rewrite placed its ops on, and `host_ops` (the added ops on the host)."""
+
+    def __init__(self, concrete, graph_def, plan, planning=None, compute_device: str = "", host_device: str = "",
+                 host_ops: frozenset[str] = frozenset()):
         self.plan = plan
-        self.graph_def = graph_def  # the rewritten graph
-        self.concrete = concrete  # the traced original
+        self.graph_def = graph_def
+        self.concrete = concrete
+        self.planning = planning
+        self.compute_device = compute_device
+        self.host_device = host_device
+        self.host_ops = host_ops
         graph = concrete.graph
         captured = {id(internal) for _, internal in graph.captures}
         self._data_inputs = [t for t in graph.inputs if id(t) not in captured]
         self._captures = [external for external, _ in graph.captures]
+        self._variables = tuple(graph.variables)  # held, as the captured handles are: the step uses them
         self._structured_outputs = concrete.structured_outputs
+        self._function = self.instantiate()
+
+    @property
+    def variables(self) -> list:
+        """The resource variables the step reads or writes (weights, optimizer state)."""
+        return list(self._variables)
+
+    def instantiate(self):
+        """A new TensorFlow function of the rewritten graph. Each one is partitioned and placed on
+        its first call, which is when TensorFlow reports its partition graphs (lms_core.tf.gating)."""
+        graph = self.concrete.graph
         input_names = [t.name for t in self._data_inputs] + [internal.name for _, internal in graph.captures]
         output_names = [t.name for t in graph.outputs]
         control_names = sorted(op.name for op in graph.control_outputs)
         signature = [tf.TensorSpec(t.shape, t.dtype) for t in self._data_inputs]
         signature += [tf.TensorSpec(internal.shape, internal.dtype) for _, internal in graph.captures]
+        graph_def = self.graph_def
 
         def imported(*args):
             results = tf.graph_util.import_graph_def(
@@ -38,9 +60,16 @@ class RewrittenStep:
             with tf.control_dependencies(must_run):
                 return [tf.identity(o) for o in outputs]
 
-        self._function = tf.compat.v1.wrap_function(imported, signature)
+        return tf.compat.v1.wrap_function(imported, signature)
+
+    def call_with(self, function, *args):
+        """Runs `function` (this step's, or one from `instantiate`) on `args` with the real variables.
+        A traced step's ops carry no device of their own: TensorFlow places them on the device of the
+        call when it instantiates the function, so the call is made on the compute device (the
+        swap-outs and gated swap-ins name the host themselves)."""
+        with tf.device(self.compute_device or None):
+            results = function(*tf.nest.flatten(args), *self._captures)
+        return tf.nest.pack_sequence_as(self._structured_outputs, results)
 
     def __call__(self, *args):
-        flat = tf.nest.flatten(args)
-        results = self._function(*flat, *self._captures)
-        return tf.nest.pack_sequence_as(self._structured_outputs, results)
+        return self.call_with(self._function, *args)

@@ -1,4 +1,5 @@
-"""Do a plan's swaps survive TensorFlow's own graph optimization?
+"""Do a plan's swaps survive TensorFlow's own graph optimization? (Whether they are gated in what
+TensorFlow executes is lms_core.tf.gating's question.)
 
 Grappler runs before every function call (constant folding, arithmetic and dependency optimizers,
 remapping). A swap-out or swap-in `Identity` looks like a no-op to it; the rewrite marks them with
@@ -12,7 +13,7 @@ from tensorflow.python.grappler import tf_optimizer
 
 
 def grappler_losses(rewritten) -> list[str]:
-    """Swap nodes, trigger control inputs and rerouted consumer inputs of `rewritten` (a
+    """Swap ops, trigger control inputs and rerouted consumer inputs of `rewritten` (a
     lms_core.tf.rewrite result) that Grappler's default optimization removed; [] when all survive.
     A consumer Grappler fused away is no loss; a consumer that reads the original tensor again is."""
     concrete = rewritten.concrete
@@ -26,15 +27,18 @@ def grappler_losses(rewritten) -> list[str]:
         if swap.swap_out not in optimized:
             lost.append(f"{swap.swap_out}: removed")
         for swap_in in swap.swap_ins:
-            node = optimized.get(swap_in.name)
-            if node is None:
-                lost.append(f"{swap_in.name}: removed")
-                continue
-            if not node.input or node.input[0] != swap.swap_out:
-                lost.append(f"{swap_in.name}: no longer reads {swap.swap_out}")
-            if f"^{swap_in.trigger}" not in node.input:
-                lost.append(f"{swap_in.name}: lost its control input from {swap_in.trigger}")
+            gate, arrival = optimized.get(swap_in.name), optimized.get(swap_in.arrival)
+            for name, node in ((swap_in.name, gate), (swap_in.arrival, arrival)):
+                if node is None:
+                    lost.append(f"{name}: removed")
+            if gate is not None:
+                if not gate.input or gate.input[0] != swap.swap_out:
+                    lost.append(f"{swap_in.name}: no longer reads {swap.swap_out}")
+                if f"^{swap_in.trigger}" not in gate.input:
+                    lost.append(f"{swap_in.name}: lost its control input from {swap_in.trigger}")
+            if arrival is not None and (not arrival.input or arrival.input[0] != swap_in.name):
+                lost.append(f"{swap_in.arrival}: no longer reads {swap_in.name}")
             for consumer in swap_in.consumers:
-                if consumer in optimized and swap_in.name not in optimized[consumer].input:
-                    lost.append(f"{consumer}: no longer reads {swap_in.name}")
+                if consumer in optimized and swap_in.arrival not in optimized[consumer].input:
+                    lost.append(f"{consumer}: no longer reads {swap_in.arrival}")
     return lost

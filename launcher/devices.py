@@ -1,0 +1,40 @@
+"""Which device a rank computes on, and where LMS parks what it swaps out.
+
+A GPU rank computes on its GPU (one per local rank) and swaps to the host CPU. A CPU rank with LMS on
+is given two logical CPU devices, computes on the second and swaps to the first: TensorFlow then
+partitions its step across two devices with `_Send`/`_Recv` pairs exactly as it would for a GPU, so
+the gated swap-ins it executes are the ones a GPU rank would (lms_core.tf.gating). The two logical
+devices share one allocator, so on a CPU rank swapping moves no memory; it proves the mechanism.
+"""
+from __future__ import annotations
+
+HOST_DEVICE = "/device:CPU:0"
+SPLIT_COMPUTE_CPU = "CPU:1"  # the compute device of a CPU rank with LMS on
+
+
+def split_cpu() -> None:
+    """Gives TensorFlow two logical CPU devices, CPU:0 (the host) and CPU:1 (the compute device).
+    Must run before TensorFlow creates its devices (its first op); a second call is a no-op."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) == 2:
+        return
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def pin_device(local_rank: int, lms_enabled: bool = False) -> str:
+    """One GPU per rank (by local rank), with memory growth so ranks sharing a GPU in tests do not
+    each reserve it all. Without a GPU: CPU:0, or the split CPU's compute device when LMS is on."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        if lms_enabled:
+            split_cpu()
+            return SPLIT_COMPUTE_CPU
+        return "CPU:0"
+    gpu = gpus[local_rank % len(gpus)]
+    tf.config.set_visible_devices(gpu, "GPU")
+    tf.config.experimental.set_memory_growth(gpu, True)
+    return "GPU:0"

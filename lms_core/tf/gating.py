@@ -1,0 +1,184 @@
+"""Does every swap-in wait for its trigger in what TensorFlow really executes?
+
+Grappler's memory estimate and our simulator both assume that a swapped value comes back to the
+compute device when its trigger has run. Whether it does is decided by TensorFlow's partitioner and
+executor: the step is split per device and every cross-device edge becomes a `_Send`/`_Recv` pair.
+A `_Recv` has no inputs; it completes when its `_Send` has run, and a `_Send` runs when everything
+it depends on, across devices, has run. So a swap-in is gated exactly when the trigger is an ancestor
+of the `_Recv` that delivers the value to the compute device, following `_Recv` -> `_Send` pairs
+(same `tensor_name`, `send_device` and `recv_device`) from partition to partition.
+
+`verify_gating` runs the rewritten step once (weights and optimizer state restored afterwards) on
+its device pair, reads the partition graphs TensorFlow reports for that run, and checks every
+swap-in. `check_partitions` is the check alone, on given partition graphs.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import context
+
+from lms_core.plan import Plan
+from lms_core.tf.reimport import IMPORT_SCOPE
+
+SEND, RECV = "_Send", "_Recv"
+
+
+@dataclass
+class SwapInGate:
+    """The verdict on one swap-in."""
+
+    swap_in: str
+    trigger: str
+    gated: bool
+    recv: str | None = None  # the `_Recv` that delivers the value to the compute device
+    reason: str = ""  # why it is not gated
+
+
+@dataclass
+class GatingReport:
+    compute_device: str
+    host_device: str
+    gates: list[SwapInGate] = field(default_factory=list)
+
+    @property
+    def gated(self) -> int:
+        return sum(gate.gated for gate in self.gates)
+
+    @property
+    def ungated(self) -> list[SwapInGate]:
+        return [gate for gate in self.gates if not gate.gated]
+
+    @property
+    def all_gated(self) -> bool:
+        return not self.ungated
+
+    def summary(self) -> str:
+        return f"swap-ins gated: {self.gated}/{len(self.gates)} (on {self.compute_device}, host {self.host_device})"
+
+    def to_dict(self) -> dict:
+        """The plan's `verification` field."""
+        return {"gated": self.gated, "swap_ins": len(self.gates), "ungated": [g.swap_in for g in self.ungated],
+                "reasons": {g.swap_in: g.reason for g in self.ungated},
+                "devices": {"compute": self.compute_device, "host": self.host_device},
+                "checked_on": "the partition graphs of one executed step"}
+
+    def first_failure(self) -> str:
+        gate = self.ungated[0]
+        return f"{gate.swap_in} (trigger {gate.trigger}): {gate.reason}"
+
+
+def executed_partitions(rewritten, *inputs) -> list[graph_pb2.GraphDef]:
+    """Runs a fresh instantiation of `rewritten` once on `inputs` and returns the partition graphs
+    TensorFlow executed (it reports them only when a function is first instantiated). Every variable
+    the step touches gets its value back afterwards. With several ranks the step runs collectives,
+    so every rank must call this together."""
+    function = rewritten.instantiate()
+    variables = rewritten.variables
+    saved = [v.numpy() for v in variables]
+    context.context().export_run_metadata()  # drop anything collected before
+    context.enable_run_metadata()
+    try:
+        outputs = rewritten.call_with(function, *inputs)
+        for output in tf.nest.flatten(outputs):
+            output.numpy()  # wait for the step
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+    return [partition for function_graph in metadata.function_graphs for partition in function_graph.partition_graphs]
+
+
+def verify_gating(rewritten, *inputs) -> GatingReport:
+    """Runs the step once on its device pair and checks every swap-in of its plan."""
+    partitions = executed_partitions(rewritten, *inputs)
+    return check_partitions(partitions, rewritten.plan, rewritten.compute_device, rewritten.host_device)
+
+
+def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_device: str, host_device: str,
+                     scope: str = IMPORT_SCOPE) -> GatingReport:
+    """The verdict on every swap-in of `plan`, from the partition graphs of one executed step whose
+    ops were imported under `scope`."""
+    graph = PartitionedGraph(partitions)
+    report = GatingReport(compute_device, host_device)
+    for swap in plan.swaps:
+        for swap_in in swap.swap_ins:
+            report.gates.append(graph.gate(f"{scope}/{swap_in.arrival}", f"{scope}/{swap_in.trigger}",
+                                           [f"{scope}/{c}" for c in swap_in.consumers], swap_in.name,
+                                           swap_in.trigger))
+    return report
+
+
+class PartitionedGraph:
+    """The nodes of all partitions by name, and every `_Send` by the edge it carries."""
+
+    def __init__(self, partitions: list[graph_pb2.GraphDef]):
+        self.nodes = {node.name: node for partition in partitions for node in partition.node}
+        self.sends = {_edge(node): node.name for node in self.nodes.values() if node.op == SEND}
+
+    def gate(self, arrival: str, trigger: str, consumers: list[str], swap_in: str, trigger_label: str) -> SwapInGate:
+        def verdict(gated: bool, reason: str = "", recv: str | None = None) -> SwapInGate:
+            return SwapInGate(swap_in, trigger_label, gated, recv, reason)
+
+        if arrival not in self.nodes:
+            return verdict(False, f"its arrival op {arrival} is not among the executed ops")
+        recv = self.delivering_recv(arrival)
+        if recv is None:
+            return verdict(False, "the value is not received from another device: nothing is copied back")
+        if trigger not in self.nodes:
+            return verdict(False, f"the trigger {trigger} is not among the executed ops (fused or pruned by Grappler)",
+                           recv)
+        if trigger not in self.ancestors(recv):
+            return verdict(False, f"{recv} does not depend on the trigger: the copy back can happen any time after "
+                                  f"the swap-out", recv)
+        device = self.nodes[arrival].device
+        # A consumer Grappler fused into another op is not looked for; one that runs elsewhere would
+        # take the value away from the compute device again.
+        elsewhere = next((c for c in consumers if c in self.nodes and self.nodes[c].device != device), None)
+        if elsewhere is not None:
+            return verdict(False, f"its consumer {elsewhere} runs on {self.nodes[elsewhere].device}, not on the compute "
+                                  f"device", recv)
+        return verdict(True, recv=recv)
+
+    def delivering_recv(self, name: str) -> str | None:
+        """Up the first data input from `name`, on its own device, to the `_Recv` that brings the value."""
+        node = self.nodes[name]
+        seen = set()
+        while node.op != RECV:
+            data = [i for i in node.input if not i.startswith("^")]
+            if not data or node.name in seen:
+                return None
+            seen.add(node.name)
+            source = self.nodes.get(_op_name(data[0]))
+            if source is None or source.device != node.device:
+                return None
+            node = source
+        return node.name
+
+    def ancestors(self, name: str) -> set[str]:
+        """Every op that must have run before `name` can complete, across devices."""
+        seen: set[str] = set()
+        queue = deque([name])
+        while queue:
+            node = self.nodes[queue.popleft()]
+            sources = [_op_name(i) for i in node.input]
+            if node.op == RECV and _edge(node) in self.sends:
+                sources.append(self.sends[_edge(node)])
+            for source in sources:
+                if source not in seen and source in self.nodes:
+                    seen.add(source)
+                    queue.append(source)
+        return seen
+
+
+def _edge(node) -> tuple[bytes, bytes, bytes]:
+    return node.attr["tensor_name"].s, node.attr["send_device"].s, node.attr["recv_device"].s
+
+
+def _op_name(reference: str) -> str:
+    """`^op`, `op:1`, `op` -> `op`."""
+    return reference.lstrip("^").split(":")[0]

@@ -1,0 +1,179 @@
+"""Swap-ins must wait for their triggers in what TensorFlow really executes.
+
+Every test here runs the rewritten step on split devices (compute /device:CPU:1, host /device:CPU:0),
+so TensorFlow partitions it per device with _Send/_Recv pairs as it would for a GPU, and reads what
+TensorFlow reports: the partition graphs of the run, or the executor's timeline from its profiler.
+The negative control is the placement the project had before (swap-in on the compute device), which
+TensorFlow runs as soon as the swap-out is done: the check must fail on it.
+"""
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+import lms_core.tf as lms_tf
+from lms_core.config import LMSConfig
+from lms_core.tf.gating import PartitionedGraph, check_partitions, executed_partitions, verify_gating
+from lms_core.tf.reimport import IMPORT_SCOPE
+from lms_core.tf.timeline import executed_timeline
+from tests.conftest import COMPUTE, HOST
+from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
+
+SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
+
+
+def rewritten_on_split_devices(name: str, config: LMSConfig = SWAP_ALL, placement=lms_tf.Placement.GATED_ON_HOST):
+    _, _, step, specs, batch = training_step(ARCHITECTURES[name], device=COMPUTE)
+    rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device=COMPUTE, host_device=HOST,
+                               placement=placement)
+    return rewritten, batch
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_swap_in_is_gated_and_the_old_placement_is_not(name):
+    gated, batch = rewritten_on_split_devices(name)
+    report = verify_gating(gated, *batch)
+    swap_ins = sum(len(s.swap_ins) for s in gated.plan.swaps)
+    assert swap_ins > 0
+    assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.first_failure()
+    assert report.summary().startswith(f"swap-ins gated: {swap_ins}/{swap_ins}")
+    # Each swap-in is delivered by a _Recv of its own (a _Recv shared by two swap-ins would bring
+    # the value back once, at the earlier trigger).
+    assert len({gate.recv for gate in report.gates}) == swap_ins
+
+    ungated, batch = rewritten_on_split_devices(name, placement=lms_tf.Placement.UNGATED_ON_COMPUTE)
+    before = verify_gating(ungated, *batch)
+    assert (before.gated, len(before.gates)) == (0, swap_ins)
+    assert "does not depend on the trigger" in before.first_failure()
+    assert before.to_dict()["ungated"] == [s.name for swap in ungated.plan.swaps for s in swap.swap_ins]
+
+
+def test_verification_restores_every_variable():
+    model_a, optimizer_a, _, _, batch = training_step(ARCHITECTURES["densenet_block"], device=COMPUTE)
+    before = [v.numpy() for v in model_a.variables + optimizer_a.variables]
+    rewritten, batch = rewritten_on_split_devices("densenet_block")
+    model = rewritten.variables
+    values = [v.numpy() for v in model]
+    verify_gating(rewritten, *batch)
+    for variable, value in zip(model, values):
+        assert (variable.numpy() == value).all(), variable.name
+    assert len(before) > 0
+
+
+def test_with_one_device_nothing_is_copied_so_nothing_is_gated():
+    """Compute and host the same device: no partitioning, no _Recv; the check says so rather than
+    passing a swap that moves nothing."""
+    _, _, step, specs, batch = training_step(ARCHITECTURES["densenet_block"], device=COMPUTE)
+    rewritten = lms_tf.rewrite(step, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=COMPUTE)
+    report = verify_gating(rewritten, *batch)
+    assert report.gated == 0 and report.gates
+    assert "not received from another device" in report.first_failure()
+
+
+def test_sync_mode_3_waiters_wait_until_the_value_is_on_the_compute_device():
+    """Sync mode 2/3 waiters must depend on the _Recv that brings the value to the compute device,
+    not only on a host op; sync mode 1/3 forward waiters on the swap-out having reached the host."""
+    config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=2, sync_mode=3, min_tensor_bytes=0)
+    rewritten, batch = rewritten_on_split_devices("densenet_block", config)
+    graph = PartitionedGraph(executed_partitions(rewritten, *batch))
+    checked_in = checked_out = 0
+    for swap in rewritten.plan.swaps:
+        for swap_in in swap.swap_ins:
+            recv = graph.delivering_recv(f"{IMPORT_SCOPE}/{swap_in.arrival}")
+            for waiter in swap_in.waiters:
+                if f"{IMPORT_SCOPE}/{waiter}" in graph.nodes:
+                    assert recv in graph.ancestors(f"{IMPORT_SCOPE}/{waiter}"), waiter
+                    checked_in += 1
+        for waiter in swap.waiters:
+            if f"{IMPORT_SCOPE}/{waiter}" in graph.nodes:
+                assert f"{IMPORT_SCOPE}/{swap.swap_out}" in graph.ancestors(f"{IMPORT_SCOPE}/{waiter}"), waiter
+                checked_out += 1
+    assert checked_in > 5 and checked_out > 5
+
+
+def test_swapin_groupby_0_gives_each_consumer_level_its_own_gated_copy():
+    """A tensor read at several backward levels (the ReLU output feeds the next convolution's
+    filter gradient and its own ReluGrad) gets one swap-in per level, each with its own trigger
+    and its own _Recv, so each copy comes back at its own time."""
+    step, specs = conv_relu_step((8, 8, 2), batch=2, blocks=3)
+    config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, swapin_groupby=0,
+                       min_tensor_bytes=0, include_types=["Relu"])
+    rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device=COMPUTE, host_device=HOST)
+    several = [swap for swap in rewritten.plan.swaps if len(swap.swap_ins) > 1]
+    assert several
+    with tf.device(COMPUTE):
+        batch = (tf.random.uniform(specs[0].shape), tf.zeros(specs[1].shape, tf.int32))
+    report = verify_gating(rewritten, *batch)
+    assert report.all_gated, report.first_failure()
+    by_name = {gate.swap_in: gate for gate in report.gates}
+    for swap in several:
+        gates = [by_name[s.name] for s in swap.swap_ins]
+        assert len({g.recv for g in gates}) == len(gates)
+        assert len({s.trigger for s in swap.swap_ins}) == len(gates)
+
+
+def test_the_check_names_what_is_wrong_on_hand_built_partitions():
+    """The check alone, on partitions built by hand: a trigger the executed graph lacks, and a
+    consumer that runs on the host."""
+    rewritten, batch = rewritten_on_split_devices("densenet_block")
+    partitions = executed_partitions(rewritten, *batch)
+    swap_in = rewritten.plan.swaps[0].swap_ins[0]
+    for partition in partitions:
+        for node in partition.node:
+            if node.name == f"{IMPORT_SCOPE}/{swap_in.consumers[0]}":
+                node.device = node.device.replace("CPU:1", "CPU:0")
+    report = check_partitions(partitions, rewritten.plan, COMPUTE, HOST)
+    first = next(g for g in report.gates if g.swap_in == swap_in.name)
+    assert not first.gated and f"its consumer {IMPORT_SCOPE}/{swap_in.consumers[0]} runs on" in first.reason
+    for partition in partitions:
+        kept = [n for n in partition.node if n.name != f"{IMPORT_SCOPE}/{swap_in.trigger}"]
+        del partition.node[:]
+        partition.node.extend(kept)
+    report = check_partitions(partitions, rewritten.plan, COMPUTE, HOST)
+    first = next(g for g in report.gates if g.swap_in == swap_in.name)
+    assert "is not among the executed ops" in first.reason
+
+
+@pytest.mark.parametrize("name", ["resnet50", "lstm"])
+def test_the_executor_runs_each_swap_in_after_its_trigger_and_each_consumer_after_its_swap_in(name):
+    """From TensorFlow's profiler (every op the executor ran, on one clock): the gated host op starts
+    after its trigger has ended, and every far consumer starts after the value has arrived (the
+    arrival op on the compute device has ended)."""
+    rewritten, batch = rewritten_on_split_devices(name)
+    rewritten(*batch)  # first call: instantiation, kernel set-up
+    spans = executed_timeline(lambda: float(rewritten(*batch)))
+
+    def span(op: str):
+        runs = spans.get(f"{IMPORT_SCOPE}/{op}")
+        return runs[0] if runs and len(runs) == 1 else None
+
+    def trigger_done(trigger: str) -> int:
+        """When the trigger had ended. The profiler leaves out a few ops (4 of ResNet-50's 49 `Neg`s,
+        whose input Grappler merged with another's); for those, the earliest op the partitioner
+        made for the trigger's cross-device control edge (`<trigger>/_N`, which can start only after
+        the trigger has ended) stands in for it."""
+        own = span(trigger)
+        if own is not None:
+            return own.end_ps
+        prefix = f"{IMPORT_SCOPE}/{trigger}/_"
+        plumbing = [run.start_ps for name, runs in spans.items() if name.startswith(prefix) for run in runs]
+        assert plumbing, f"no event for the trigger {trigger} or its control edge"
+        return min(plumbing)
+
+    ordered = 0
+    for swap in rewritten.plan.swaps:
+        for swap_in in swap.swap_ins:
+            gate, arrival = span(swap_in.name), span(swap_in.arrival)
+            consumers = [c for c in map(span, swap_in.consumers) if c is not None]
+            assert gate is not None, swap_in.name
+            assert gate.start_ps >= trigger_done(swap_in.trigger), (swap_in.name, swap_in.trigger)
+            ordered += 1
+            if arrival is None:
+                # Grappler optimized every consumer away (the LSTM's gradient through its zero
+                # initial state): nothing reads the value, and TensorFlow never runs the arrival.
+                assert not consumers, swap_in.name
+                continue
+            assert arrival.start_ps >= gate.end_ps
+            for consumer in consumers:
+                assert consumer.start_ps >= arrival.end_ps, swap_in.name
+    assert ordered == sum(len(s.swap_ins) for s in rewritten.plan.swaps) > 0

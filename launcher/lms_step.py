@@ -1,92 +1,32 @@
 """The one place a rank's traced training step is handed to LMS.
 
-With `lms.enabled: false` the step is returned as it is. Otherwise each rank works out what it plans
-for (its link, its device profile, its device and host memory), plans (auto-tuned or manual) and
-applies the swaps (with `lms.measure_ops` on GPUs: profiles that step, then plans again with the
-measured op times), estimates peak memory with and without them (Grappler), and rank 0 writes every
-rank's plan to RUN_DIR/lms/plan-rank<N>.json and logs each rank's link and result.
+With `lms.enabled: false` the step is returned as it is. Otherwise each rank:
+1. works out what it plans for (launcher.lms_target: its link, device profile, device and host memory);
+2. plans (auto-tuned or manual) and applies the swaps; with `lms.measure_ops` on GPUs it profiles
+   that step and plans again with the measured op times;
+3. estimates peak memory with and without the swaps (Grappler's estimate);
+4. runs the rewritten step once and checks, on the partition graphs TensorFlow executed, that every
+   swap-in waits for its trigger (`swap-ins gated: N/N`), weights restored afterwards;
+5. gathers every rank's plan: rank 0 writes them to RUN_DIR/lms/plan-rank<N>.json and logs them, and
+   every rank stops (LMSSetupError) if any swap-in is not gated or a host cannot hold its ranks' plans.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
 
-from lms_core.config import CustomDevice, LMSConfig
-from lms_core.costs import PROFILES, DeviceProfile
-from lms_core.link import link_named, resolve_link
-from lms_core.units import format_bytes, parse_bytes
+from launcher.devices import HOST_DEVICE
+from launcher.host_memory import host_problems, pinned_limit_problem
+from launcher.lms_target import rank_target
+from lms_core.config import LMSConfig
+from lms_core.units import format_bytes
 
-HOST_DEVICE = "/device:CPU:0"
-FALLBACK_PROFILE = "v100"  # the LMS papers' 16 GB GPU: what a CPU-only rank plans for
-
-
-def gpu_details(local_rank: int) -> tuple[str, int] | None:
-    """(name, total memory) of this rank's GPU from NVML, or None without a GPU or NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(local_rank % pynvml.nvmlDeviceGetCount())
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            return name, int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no GPU, no NVML
-        return None
-
-
-def device_profile(lms: LMSConfig, gpu: tuple[str, int] | None) -> tuple[DeviceProfile, int, str]:
-    """The cost profile, the device memory to plan for, and a line saying where they came from."""
-    if isinstance(lms.device, CustomDevice):
-        profile, why = lms.device.profile(), "lms.device: custom profile"
-    elif lms.device != "auto":
-        profile, why = PROFILES[lms.device], f"lms.device {lms.device}"
-    elif gpu is not None:
-        key = next((k for k in PROFILES if k.upper() in gpu[0].upper()), FALLBACK_PROFILE)
-        profile, why = PROFILES[key], f"NVML: {gpu[0]}"
-    else:
-        profile, why = PROFILES[FALLBACK_PROFILE], "no GPU: planning for the papers' 16 GB V100"
-    if lms.device_memory:
-        memory = parse_bytes(lms.device_memory)
-    elif gpu is not None:
-        memory = gpu[1]
-    else:
-        memory = profile.memory_bytes
-    return profile, memory, why
-
-
-def rank_target(lms: LMSConfig, rank: int, local_rank: int, local_size: int, on_gpu: bool):
-    """What this rank plans for, and the lines that say so."""
-    import psutil
-
-    import lms_core.tf as lms_tf
-
-    gpu = gpu_details(local_rank) if on_gpu else None
-    if lms.rank_links:
-        link = link_named(lms.rank_links[rank % len(lms.rank_links)])
-        link_line = f"link (lms.rank_links) {link.describe()}"
-    elif lms.measure_link and on_gpu:
-        from lms_core.tf.bandwidth import measure_link
-
-        link = measure_link()
-        link_line = f"link {link.describe()}"
-    else:
-        link, link_line = resolve_link(lms.link, lms.link_fallback, local_rank if on_gpu else None)
-        if lms.measure_link:
-            link_line += " (lms.measure_link needs a GPU to time copies on; this rank has none)"
-    profile, memory, device_line = device_profile(lms, gpu)
-    host_total = parse_bytes(lms.host_memory) if lms.host_memory else psutil.virtual_memory().total
-    host = int(host_total / max(1, local_size))
-    target = lms_tf.Target(link=link, device=profile, device_memory_bytes=memory, host_memory_bytes=host)
-    return target, [link_line, f"device {profile.describe()} ({device_line}); planning for {format_bytes(memory)}",
-                    f"host memory {format_bytes(host)} for this rank ({'lms.host_memory' if lms.host_memory else 'this host'}"
-                    f"'s {format_bytes(host_total)} shared by {local_size} rank(s))"]
+MAX_SWAPS_LOGGED = 8  # the log names the first swaps; the plan file has them all
 
 
 def describe(plan: dict, rank: int, seconds: float) -> str:
@@ -109,7 +49,7 @@ def measure_op_times(rewritten, specs: tuple, device: str, variables: list, step
     from lms_core.tf.op_profile import profile_step, sample_inputs
 
     batch = sample_inputs(specs, f"/device:{device}")
-    return profile_step(lambda: float(rewritten(*batch)), rewritten.planned.graph.order, steps=steps,
+    return profile_step(lambda: float(rewritten(*batch)), rewritten.planning.graph.order, steps=steps,
                         restore=variables)
 
 
@@ -122,9 +62,15 @@ def all_ranks(flag: bool, ctx) -> bool:
     return all(hvd.allgather_object(flag))
 
 
+class LMSSetupError(RuntimeError):
+    """A rank cannot train with its LMS plan (a swap-in not gated, too little host memory). Raised
+    on every rank alike, from the plans all ranks gathered, so no rank is left waiting for another."""
+
+
 def prepare_step(step: Callable, specs: tuple, lms: LMSConfig, ctx, run_dir: Path,
                  log: Callable[[str], None] | None, local_size: int = 1, variables: list = ()) -> Callable:
-    """`variables` (weights and optimizer state) are restored after the steps `lms.measure_ops` profiles."""
+    """`variables` (weights and optimizer state) are restored after the steps `lms.measure_ops` profiles.
+    Every rank must call this (it gathers the plans); raises LMSSetupError before any training step."""
     if not lms.enabled:
         return step
     import lms_core.tf as lms_tf
@@ -144,27 +90,103 @@ def prepare_step(step: Callable, specs: tuple, lms: LMSConfig, ctx, run_dir: Pat
         lines.append("lms.measure_ops: not every rank computes on a GPU, and CPU op times say nothing about the "
                      "GPU planned for; kept the cost model")
     lms_tf.estimate_rewrite(rewritten, target.device_memory_bytes)
+    gating = verify(rewritten, specs, ctx.device)
+    rewritten.plan.verification = gating.to_dict()
     seconds = time.perf_counter() - started
-    mine = dict(rewritten.plan.to_dict(), rank=ctx.rank, host=ctx.host, device=ctx.device, log=lines)
-    if ctx.size > 1:
-        import horovod.tensorflow as hvd
-
-        plans = hvd.allgather_object((mine, seconds))
-    else:
-        plans = [(mine, seconds)]
+    mine = dict(rewritten.plan.to_dict(), rank=ctx.rank, host=ctx.host, device=ctx.device, log=lines,
+                host_available_bytes=_available_host_bytes())
+    # The pinned-memory cap is this rank's own environment: only it can check its plan against it.
+    mine["pinned_memory_problem"] = pinned_limit_problem(mine, os.environ) if on_gpu else None
+    plans = [mine] if ctx.size == 1 else _allgather(mine)
+    seconds_by_rank = [seconds] if ctx.size == 1 else _allgather(seconds)
     if ctx.rank == 0:
-        directory = run_dir / "lms"
-        directory.mkdir(parents=True, exist_ok=True)
-        for plan, rank_seconds in plans:
-            (directory / f"plan-rank{plan['rank']}.json").write_text(json.dumps(plan, indent=2))
-            if log:
-                for line in plan["log"]:
-                    log(f"LMS rank {plan['rank']}: {line}")
-                if plan["cost_model"]:
-                    log(f"LMS rank {plan['rank']}: {plan['cost_model']}")
-                if plan["tuning"]:
-                    log(f"LMS rank {plan['rank']}: {plan['tuning']}")
-                for warning in plan["warnings"]:
-                    log(f"LMS rank {plan['rank']}: warning: {warning}")
-                log(describe(plan, plan["rank"], rank_seconds))
+        write_plans(plans, run_dir)
+        if log:
+            for plan, rank_seconds in zip(plans, seconds_by_rank):
+                log_plan(plan, rank_seconds, log, details=plan is plans[0] or not same_plan(plan, plans[0]))
+    problems = plan_problems(plans)
+    if problems:
+        raise LMSSetupError("; ".join(problems))
     return rewritten
+
+
+def verify(rewritten, specs: tuple, device: str):
+    """Runs the rewritten step once on this rank's devices (weights restored) and checks every
+    swap-in against the partition graphs TensorFlow executed. Every rank runs it together: the
+    step's allreduce is in it."""
+    from lms_core.tf.gating import GatingReport, verify_gating
+    from lms_core.tf.op_profile import sample_inputs
+
+    if not rewritten.plan.swaps:
+        return GatingReport(rewritten.compute_device, rewritten.host_device)
+    return verify_gating(rewritten, *sample_inputs(specs, f"/device:{device}"))
+
+
+def plan_problems(plans: list[dict]) -> list[str]:
+    """Why the run must not start with these plans (one entry per problem); [] when it may."""
+    problems = []
+    for plan in plans:
+        check = plan["verification"]
+        if check["ungated"]:
+            first = check["ungated"][0]
+            problems.append(
+                f"rank {plan['rank']}: swap-ins gated: {check['gated']}/{check['swap_ins']} on "
+                f"{check['devices']['compute']}; the first that is not, {first}: {check['reasons'][first]}. "
+                f"This is a bug in the rewrite: please report it with RUN_DIR/lms/plan-rank{plan['rank']}.json; "
+                f"meanwhile set lms.enabled=false or exclude that tensor (lms.exclude_scopes)")
+        if plan.get("pinned_memory_problem"):
+            problems.append(plan["pinned_memory_problem"])
+    return problems + host_problems(plans)
+
+
+def write_plans(plans: list[dict], run_dir: Path) -> None:
+    directory = run_dir / "lms"
+    directory.mkdir(parents=True, exist_ok=True)
+    for plan in plans:
+        (directory / f"plan-rank{plan['rank']}.json").write_text(json.dumps(plan, indent=2))
+
+
+def same_plan(plan: dict, other: dict) -> bool:
+    """The same target, settings and swaps (ranks of one recipe on like hardware plan alike)."""
+    keys = ("link", "device_profile", "settings", "swaps", "device_memory_bytes")
+    return all(plan[key] == other[key] for key in keys)
+
+
+def log_plan(plan: dict, seconds: float, log: Callable[[str], None], details: bool = True) -> None:
+    """The plan's lines for the run's log; with `details` false (a plan like rank 0's), its one-line
+    summary and its gating check only."""
+    rank = plan["rank"]
+    check = plan["verification"]
+    gated = (f"LMS rank {rank}: swap-ins gated: {check['gated']}/{check['swap_ins']} (checked on the partition graphs "
+             f"TensorFlow executed, {check['devices']['compute']} with host {check['devices']['host']})")
+    if not details:
+        log(describe(plan, rank, seconds) + " (the same plan as rank 0)")
+        log(gated)
+        return
+    for line in plan["log"]:
+        log(f"LMS rank {rank}: {line}")
+    if plan["cost_model"]:
+        log(f"LMS rank {rank}: {plan['cost_model']}")
+    if plan["tuning"]:
+        log(f"LMS rank {rank}: {plan['tuning']}")
+    for warning in plan["warnings"]:
+        log(f"LMS rank {rank}: warning: {warning}")
+    for swap in plan["swaps"][:MAX_SWAPS_LOGGED]:
+        log(f"LMS rank {rank}: swap {swap['tensor']} ({format_bytes(swap['nbytes'])}, level {swap['producer_level']}) "
+            f"-> back at level {', '.join(str(s['trigger_level']) for s in swap['swap_ins'])}")
+    if len(plan["swaps"]) > MAX_SWAPS_LOGGED:
+        log(f"LMS rank {rank}: ... and {len(plan['swaps']) - MAX_SWAPS_LOGGED} more swaps (all in lms/plan-rank{rank}.json)")
+    log(describe(plan, rank, seconds))
+    log(gated)
+
+
+def _allgather(value):
+    import horovod.tensorflow as hvd
+
+    return hvd.allgather_object(value)
+
+
+def _available_host_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)

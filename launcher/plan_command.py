@@ -65,11 +65,16 @@ def main(argv: list[str]) -> int:
         say("lms.enabled is false in this recipe; planning with its lms settings anyway")
     planned_lms = dataclasses.replace(recipe.lms, enabled=True)
     say(f"building {recipe.model.name} {recipe.model.input_shape}, batch {recipe.train.batch_size} (TensorFlow loads first)")
+    from launcher.devices import split_cpu
+
+    split_cpu()  # the gating check below runs the plan on two logical CPU devices
     import lms_core.tf as lms_tf
-    from launcher.lms_step import rank_target
+    from launcher.lms_target import rank_target
     from launcher.training import build_training
+    from launcher.twin import verify_on_twin
     from lms_core.plan import Plan
     from lms_core.simulator import simulate
+    from lms_core.units import format_bytes
 
     started = time.perf_counter()
     setup = build_training(recipe, ranks=1, device="CPU:0")
@@ -79,10 +84,19 @@ def main(argv: list[str]) -> int:
     say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if planned_lms.mode == "auto" else ""))
     rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=planned_lms, compute_device="/device:GPU:0",
                                host_device="/device:CPU:0", target=target)
-    planned = rewritten.planned
+    planned = rewritten.planning
     say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
     device_memory = target.device_memory_bytes
     baseline, lms = lms_tf.estimate_rewrite(rewritten, device_memory)
+    if rewritten.plan.swaps:
+        say("checking that every swap-in waits for its trigger in what TensorFlow executes (the same step at its "
+            "smallest input, on split CPU devices)")
+        try:
+            gating, twin = verify_on_twin(recipe, rewritten.plan)
+        except ValueError as err:
+            print(f"lms-launch plan: error: cannot check the plan: {err}", file=sys.stderr)
+            return 1
+        rewritten.plan.verification = dict(gating.to_dict(), traced_at=twin)
 
     plan = rewritten.plan.to_dict()
     plan["recipe"] = str(args.recipe)
@@ -92,10 +106,9 @@ def main(argv: list[str]) -> int:
     tmp.write_text(json.dumps(plan, indent=2))
     tmp.replace(out / PLAN_FILE)
 
-    gib = 2**30
     prediction = plan["prediction"]
     print(f"\n{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size}: "
-          f"{plan['swap_count']} tensor(s) swapped, {plan['swapped_bytes'] / gib:.2f} GiB per step to host")
+          f"{plan['swap_count']} tensor(s) swapped, {format_bytes(plan['swapped_bytes'])} per step to host")
     print(f"  {plan['cost_model']}")
     if plan["tuning"]:
         print(f"  {plan['tuning']}")
@@ -103,14 +116,20 @@ def main(argv: list[str]) -> int:
         print(f"  warning: {warning}")
     print(f"  simulated on {target.link.name} / {target.device.name}: step {prediction['step_time_s'] * 1000:.0f} ms "
           f"vs {prediction['unlimited_step_time_s'] * 1000:.0f} ms unswapped, stalls {prediction['stall_time_s'] * 1000:.0f} ms, "
-          f"{prediction['hidden_share']:.0%} of transfer hidden, peak {prediction['peak_device_bytes'] / gib:.2f} GiB")
+          f"{prediction['hidden_share']:.0%} of transfer hidden, peak {format_bytes(prediction['peak_device_bytes'])}")
     for label, estimate in (("without LMS", baseline), ("with LMS", lms)):
         verdict = "fits" if estimate.fits else "does NOT fit"
-        print(f"  {label:<12} Grappler GPU peak {estimate.device_bytes / gib:7.2f} GiB: {verdict} in "
-              f"{device_memory / gib:.1f} GiB")
+        print(f"  {label:<12} Grappler GPU peak {format_bytes(estimate.device_bytes):>10}: {verdict} in "
+              f"{format_bytes(device_memory)}")
     if baseline.device_bytes:
         print(f"  GPU peak with LMS is {lms.device_bytes / baseline.device_bytes:.0%} of the baseline; "
-              f"host memory used {lms.host_bytes / gib:.2f} GiB")
+              f"host memory used {format_bytes(lms.host_bytes)}")
+    verification = plan["verification"]
+    if verification:
+        twin = verification["traced_at"]
+        print(f"  swap-ins gated: {verification['gated']}/{verification['swap_ins']} (in the partition graphs "
+              f"TensorFlow executed for this step at {twin['input_shape']}, batch {twin['batch_size']}, on "
+              f"{verification['devices']['compute']} with host {verification['devices']['host']})")
     print(f"  (estimates and simulations, not GPU measurements; {time.perf_counter() - started:.0f} s)")
     if args.plot:
         from launcher.plot import plot_step
@@ -123,4 +142,9 @@ def main(argv: list[str]) -> int:
                   f"{target.link.name} / {target.device.name}")
         print(f"plot written to {out / 'plan.png'}")
     print(f"plan written to {out / PLAN_FILE}")
+    if verification and verification["ungated"]:
+        first = verification["ungated"][0]
+        print(f"lms-launch plan: error: swap-in {first} does not wait for its trigger: "
+              f"{verification['reasons'][first]}", file=sys.stderr)
+        return 1
     return 0

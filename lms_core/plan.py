@@ -10,18 +10,19 @@ from typing import Any
 class SwapIn:
     """One copy of a swapped tensor back to the compute device, made when `trigger` has run.
 
-    Two ops carry it: `name` sits on the host and waits for the trigger, so the copy to the device
-    (TensorFlow's `_Send`/`_Recv` pair from host to device) cannot start before the trigger is done;
-    `arrival` sits on the compute device and runs once the value is there. Consumers read `arrival`,
-    and "waits for the swap-in" (sync modes 2 and 3) means a control edge from `arrival`."""
+    `name` is an op on the host that waits for the trigger; the consumers read it, so the copy to the
+    device (TensorFlow's `_Send`/`_Recv` pair from host to device) cannot start before the trigger is
+    done. With sync modes 2 and 3, `waiters` must also wait until the value is on the device, which
+    a control edge from a host op does not ensure: they wait for `arrival`, an op on the compute
+    device that reads the value."""
 
-    name: str  # the gated swap-in op on the host device
-    arrival: str  # the op on the compute device that the consumers read
+    name: str  # the gated swap-in op on the host device; the consumers read it
     trigger: str  # the op whose completion lets the copy back start
     trigger_level: int
     consumers: list[str]  # backward ops rerouted to read the swap-in
     consumer_levels: list[int]
     waiters: list[str] = field(default_factory=list)  # sync_mode 2/3: ops held until the value has arrived
+    arrival: str | None = None  # with waiters: the op on the compute device they wait for
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Plan:
     prediction: dict[str, Any] = field(default_factory=dict)
     tuning: str | None = None  # the auto-tuner's summary when lms.mode is auto
     warnings: list[str] = field(default_factory=list)
+    # Filled by the TensorFlow layer's gating check (lms_core.tf.gating): how many swap-ins wait for
+    # their trigger in the partition graphs TensorFlow executed, which did not, and on which devices.
+    verification: dict[str, Any] = field(default_factory=dict)
 
     @property
     def swapped_bytes(self) -> int:

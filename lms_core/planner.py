@@ -162,7 +162,8 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
             # The trigger's backward successors wait for the copy, so it is done before they start.
             waiters = sorted({s for s in graph.successors(trigger.name) if graph[s].category == BACKWARD})
         swap_ins.append(SwapIn(
-            name=f"lms/swapin_{producer.name}_{index}_{number}", arrival=f"lms/arrive_{producer.name}_{index}_{number}",
+            name=f"lms/swapin_{producer.name}_{index}_{number}",
+            arrival=f"lms/arrive_{producer.name}_{index}_{number}" if waiters else None,
             trigger=trigger.name, trigger_level=trigger.level,
             consumers=[c.name for c in group], consumer_levels=[c.level for c in group], waiters=waiters))
     return swap_ins

@@ -98,161 +98,203 @@ def step_structure(graph: Graph) -> StepStructure:
         loss_ops=loss_ops)
 
 
+@dataclass
+class PlanRoutes:
+    """What the plan changes on the device: which reads go to a swap-in, which ops start copies, and
+    which wait for one (the sync modes)."""
+
+    reroute: dict[tuple[str, str], str] = field(default_factory=dict)  # (consumer, tensor) -> swap-in
+    swap_of: dict[str, object] = field(default_factory=dict)  # swapped tensor -> its Swap
+    swap_in_of: dict[str, object] = field(default_factory=dict)  # swap-in name -> its Swap
+    triggers: dict[str, list[str]] = field(default_factory=dict)  # op -> swap-ins it starts
+    waiters_out: dict[str, str] = field(default_factory=dict)  # forward op -> tensor whose swap-out it waits for
+    waiters_in: dict[str, list[str]] = field(default_factory=dict)  # op -> swap-ins it waits for
+
+
+def plan_routes(plan: Plan) -> PlanRoutes:
+    sync = plan.settings.get("sync_mode", 0)
+    routes = PlanRoutes()
+    for swap in plan.swaps:
+        routes.swap_of[swap.tensor] = swap
+        for swap_in in swap.swap_ins:
+            routes.swap_in_of[swap_in.name] = swap
+            routes.triggers.setdefault(swap_in.trigger, []).append(swap_in.name)
+            for consumer in swap_in.consumers:
+                routes.reroute[(consumer, swap.tensor)] = swap_in.name
+            if sync in (2, 3):
+                for waiter in swap_in.waiters:
+                    routes.waiters_in.setdefault(waiter, []).append(swap_in.name)
+        if sync in (1, 3):
+            for waiter in swap.waiters:
+                routes.waiters_out[waiter] = swap.tensor
+    return routes
+
+
 def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
              keep_timeline: bool = False) -> SimulationResult:
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does."""
-    structure = step_structure(graph)
-    position = structure.position
-    sync = plan.settings.get("sync_mode", 0)
+    replay = _Replay(graph, plan, costs, link)
+    replay.run()
+    return replay.result(persistent_bytes, keep_timeline)
 
-    # Who reads what on the device once the plan is applied.
-    reroute: dict[tuple[str, str], str] = {}  # (consumer, tensor) -> swap-in name
-    swap_of: dict[str, object] = {}
-    swap_in_of: dict[str, tuple[object, object]] = {}
-    triggers: dict[str, list[str]] = {}
-    waiters_out: dict[str, str] = {}  # forward op -> swapped tensor whose swap-out it waits for
-    waiters_in: dict[str, list[str]] = {}  # op -> swap-ins it waits for
-    for swap in plan.swaps:
-        swap_of[swap.tensor] = swap
-        for swap_in in swap.swap_ins:
-            swap_in_of[swap_in.name] = (swap, swap_in)
-            triggers.setdefault(swap_in.trigger, []).append(swap_in.name)
-            for consumer in swap_in.consumers:
-                reroute[(consumer, swap.tensor)] = swap_in.name
-            if sync in (2, 3):
-                for waiter in swap_in.waiters:
-                    waiters_in.setdefault(waiter, []).append(swap_in.name)
-        if sync in (1, 3):
-            for waiter in swap.waiters:
-                waiters_out[waiter] = swap.tensor
 
-    refs: dict[str, int] = {}  # device buffer -> readers still to run
-    last_end: dict[str, float] = {}
-    nbytes: dict[str, int] = {}
-    for name in graph.order:
-        for tensor, size in structure.outputs[name]:
-            nbytes[tensor] = size
-            readers = structure.readers[tensor]
-            if tensor in swap_of:  # its far readers read a swap-in; the swap-out's copy reads it too
-                readers = {c for c in readers if (c, tensor) not in reroute}
-            refs[tensor] = len(readers) + (1 if tensor in swap_of else 0)
-    for swap in plan.swaps:
-        for swap_in in swap.swap_ins:
-            refs[swap_in.name] = len(set(swap_in.consumers))
-            nbytes[swap_in.name] = swap.nbytes
+class _Replay:
+    """One replay of the step: the compute stream runs ops in ready order; copies run on the queues."""
 
-    events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
-    host_events: list[tuple[float, int, int, str]] = []
-    end: dict[str, float] = {}
-    swapped_out_at: dict[str, float] = {}
-    arrival: dict[str, float] = {}
-    host_refs: dict[str, int] = {s.tensor: len(s.swap_ins) for s in plan.swaps}
-    stream = 0.0
-    d2h, h2d = CopyQueue(link.d2h_bytes_per_s), CopyQueue(link.h2d_bytes_per_s)
-    stall = compute = 0.0
-    loss_ops = structure.loss_ops  # the forward pass ends when the loss is computed
-    forward_end: float | None = None
-    op_end_times: list[tuple[float, int]] = []
+    def __init__(self, graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates):
+        self.graph, self.plan, self.costs = graph, plan, costs
+        self.structure = step_structure(graph)
+        self.routes = plan_routes(plan)
+        self.refs, self.nbytes = self._device_readers()
+        self.last_end: dict[str, float] = {}
+        self.events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
+        self.host_events: list[tuple[float, int, int, str]] = []
+        self.end: dict[str, float] = {}
+        self.swapped_out_at: dict[str, float] = {}
+        self.arrival: dict[str, float] = {}
+        self.host_refs = {s.tensor: len(s.swap_ins) for s in plan.swaps}  # swap-ins still to copy each back
+        self.d2h, self.h2d = CopyQueue(link.d2h_bytes_per_s), CopyQueue(link.h2d_bytes_per_s)
+        self.stream = self.stall = self.compute = 0.0
+        self.forward_end: float | None = None
+        self.op_end_times: list[tuple[float, int]] = []
+        self.parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
+        self.pending = dict(self.structure.predecessor_count)
+        self.ready_at = {name: 0.0 for name in graph.order}
+        self.queue: list[tuple[float, int, int, int, str]] = []
 
-    parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
+    def _device_readers(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Readers still to run of every device buffer, and its bytes, once the plan is applied: a
+        swapped tensor's far readers read a swap-in instead, and its swap-out's copy reads it too."""
+        refs, nbytes = {}, {}
+        reroute, swap_of = self.routes.reroute, self.routes.swap_of
+        for name in self.graph.order:
+            for tensor, size in self.structure.outputs[name]:
+                nbytes[tensor] = size
+                readers = self.structure.readers[tensor]
+                if tensor in swap_of:
+                    readers = {c for c in readers if (c, tensor) not in reroute}
+                refs[tensor] = len(readers) + (1 if tensor in swap_of else 0)
+        for swap in self.plan.swaps:
+            for swap_in in swap.swap_ins:
+                refs[swap_in.name] = len(set(swap_in.consumers))
+                nbytes[swap_in.name] = swap.nbytes
+        return refs, nbytes
 
-    def enqueue(name: str) -> None:
+    def run(self) -> None:
+        graph, position = self.graph, self.structure.position
+        self.queue = [(0.0, 0, graph[n].level, position[n], n) for n, count in self.pending.items() if count == 0]
+        heapq.heapify(self.queue)
+        while self.queue:
+            ready, after_copy, _, _, name = heapq.heappop(self.queue)
+            finish = self._compute(name, ready, after_copy)
+            self._swap_out(name, finish)
+            self._swap_in(name, finish)
+            self._wake_successors(name, finish)
+        if self.parked or len(self.end) != len(graph.order):
+            raise ValueError(f"simulation stalled: {len(graph.order) - len(self.end)} op(s) never ran (a swap-in whose "
+                             f"trigger never runs: {sorted(self.parked)[:3]})")
+
+    def _enqueue(self, name: str) -> None:
         """Queue an op whose inputs are produced, at the time its swap-ins arrive and the waits of
         the sync mode are met. A consumer whose swap-in has not been started (its trigger is an
         ancestor of the group's first consumer only) is parked until the trigger runs."""
-        needs = [reroute[(name, t)] for t in structure.inputs[name] if (name, t) in reroute] + waiters_in.get(name, [])
-        missing = next((s for s in needs if s not in arrival), None)
+        routes = self.routes
+        needs = [routes.reroute[(name, t)] for t in self.structure.inputs[name] if (name, t) in routes.reroute]
+        needs += routes.waiters_in.get(name, [])
+        missing = next((s for s in needs if s not in self.arrival), None)
         if missing is not None:
-            parked.setdefault(missing, []).append(name)
+            self.parked.setdefault(missing, []).append(name)
             return
-        copies = [arrival[s] for s in needs]
-        if name in waiters_out:
-            copies.append(swapped_out_at[waiters_out[name]])
+        copies = [self.arrival[s] for s in needs]
+        if name in routes.waiters_out:
+            copies.append(self.swapped_out_at[routes.waiters_out[name]])
         copied_at = max(copies, default=-1.0)
         # A copy ends after the op that started it, however fast the link: an op whose last wait is
         # a copy queues behind the ops that became ready at the same instant without one, and its
         # buffers are allocated after that instant's frees. With an infinite link this is the limit
         # of ever faster links, and Grappler's order, where the swap-in is an op of its own.
-        after_copy = 1 if copied_at >= ready_at[name] else 0
-        heapq.heappush(queue, (max(ready_at[name], copied_at), after_copy, graph[name].level, position[name], name))
+        after_copy = 1 if copied_at >= self.ready_at[name] else 0
+        heapq.heappush(self.queue, (max(self.ready_at[name], copied_at), after_copy, self.graph[name].level,
+                                    self.structure.position[name], name))
 
-    def release(buffer: str, at: float) -> None:
-        last_end[buffer] = max(last_end.get(buffer, 0.0), at)
-        refs[buffer] -= 1
-        if refs[buffer] == 0 and nbytes[buffer]:
-            events.append((last_end[buffer], FREE, -nbytes[buffer], buffer))
+    def _release(self, buffer: str, at: float) -> None:
+        self.last_end[buffer] = max(self.last_end.get(buffer, 0.0), at)
+        self.refs[buffer] -= 1
+        if self.refs[buffer] == 0 and self.nbytes[buffer]:
+            self.events.append((self.last_end[buffer], FREE, -self.nbytes[buffer], buffer))
 
-    pending = dict(structure.predecessor_count)
-    ready_at = {name: 0.0 for name in graph.order}
-    queue = [(0.0, 0, graph[n].level, position[n], n) for n, count in pending.items() if count == 0]
-    heapq.heapify(queue)
-    while queue:
-        ready, after_copy, _, _, name = heapq.heappop(queue)
-        op = graph[name]
-        outputs = structure.outputs[name]
-        start = max(stream, ready)
-        stall += start - stream  # the stream idles only while waiting for a copy
-        cost = costs.get(name, 0.0)
+    def _compute(self, name: str, ready: float, after_copy: int) -> float:
+        """Runs `name` on the compute stream: its outputs are allocated as it starts, the inputs it
+        read last are freed as it ends. Returns when it ends."""
+        start = max(self.stream, ready)
+        self.stall += start - self.stream  # the stream idles only while waiting for a copy
+        cost = self.costs.get(name, 0.0)
         finish = start + cost
-        stream = finish
-        compute += cost
-        end[name] = finish
-        if name in loss_ops:
-            forward_end = finish if forward_end is None else max(forward_end, finish)
-        for tensor, size in outputs:
+        self.stream = finish
+        self.compute += cost
+        self.end[name] = finish
+        if name in self.structure.loss_ops:  # the forward pass ends when the loss is computed
+            self.forward_end = finish if self.forward_end is None else max(self.forward_end, finish)
+        for tensor, size in self.structure.outputs[name]:
             if size:
-                events.append((start, ALLOC_AFTER_COPY if after_copy and start == ready else ALLOC, size, tensor))
-                if refs[tensor] == 0:
-                    events.append((finish, FREE, -size, tensor))
-        for tensor in structure.inputs[name]:
-            buffer = reroute.get((name, tensor), tensor)
-            if buffer in refs:
-                release(buffer, finish)
-        op_end_times.append((finish, op.level))
+                self.events.append((start, ALLOC_AFTER_COPY if after_copy and start == ready else ALLOC, size, tensor))
+                if self.refs[tensor] == 0:
+                    self.events.append((finish, FREE, -size, tensor))
+        for tensor in self.structure.inputs[name]:
+            buffer = self.routes.reroute.get((name, tensor), tensor)
+            if buffer in self.refs:
+                self._release(buffer, finish)
+        self.op_end_times.append((finish, self.graph[name].level))
+        return finish
 
-        for tensor, _ in outputs:  # swap-outs: copy to the host when produced
-            swap = swap_of.get(tensor)
+    def _swap_out(self, name: str, finish: float) -> None:
+        """Copies the swapped outputs of `name` to the host; each device buffer is released when its copy ends."""
+        for tensor, _ in self.structure.outputs[name]:
+            swap = self.routes.swap_of.get(tensor)
             if swap is None:
                 continue
-            copy_start, copy_end = d2h.copy(finish, swap.nbytes)
-            host_events.append((copy_start, ALLOC, swap.nbytes, tensor))
-            swapped_out_at[tensor] = copy_end
-            release(tensor, copy_end)
+            copy_start, copy_end = self.d2h.copy(finish, swap.nbytes)
+            self.host_events.append((copy_start, ALLOC, swap.nbytes, tensor))
+            self.swapped_out_at[tensor] = copy_end
+            self._release(tensor, copy_end)
 
-        for swap_in_name in triggers.get(name, []):  # swap-ins this op starts
-            swap, _ = swap_in_of[swap_in_name]
-            copy_start, copy_end = h2d.copy(max(finish, swapped_out_at[swap.tensor]), swap.nbytes)
-            events.append((copy_start, ALLOC, swap.nbytes, swap_in_name))
-            arrival[swap_in_name] = copy_end
-            for waiting in parked.pop(swap_in_name, []):
-                enqueue(waiting)
-            host_refs[swap.tensor] -= 1
-            if host_refs[swap.tensor] == 0:
-                host_events.append((copy_end, FREE, -swap.nbytes, swap.tensor))
+    def _swap_in(self, name: str, finish: float) -> None:
+        """Starts the swap-ins `name` triggers: each copy starts when the trigger is done, the value
+        has reached the host and the H2D queue is free; its device buffer is allocated as it starts."""
+        for swap_in_name in self.routes.triggers.get(name, []):
+            swap = self.routes.swap_in_of[swap_in_name]
+            copy_start, copy_end = self.h2d.copy(max(finish, self.swapped_out_at[swap.tensor]), swap.nbytes)
+            self.events.append((copy_start, ALLOC, swap.nbytes, swap_in_name))
+            self.arrival[swap_in_name] = copy_end
+            for waiting in self.parked.pop(swap_in_name, []):
+                self._enqueue(waiting)
+            self.host_refs[swap.tensor] -= 1
+            if self.host_refs[swap.tensor] == 0:
+                self.host_events.append((copy_end, FREE, -swap.nbytes, swap.tensor))
 
-        for succ in structure.successors[name]:
-            ready_at[succ] = max(ready_at[succ], finish)
-            pending[succ] -= 1
-            if pending[succ] == 0:
-                enqueue(succ)
+    def _wake_successors(self, name: str, finish: float) -> None:
+        for succ in self.structure.successors[name]:
+            self.ready_at[succ] = max(self.ready_at[succ], finish)
+            self.pending[succ] -= 1
+            if self.pending[succ] == 0:
+                self._enqueue(succ)
 
-    if parked or len(end) != len(graph.order):
-        raise ValueError(f"simulation stalled: {len(graph.order) - len(end)} op(s) never ran (a swap-in whose trigger "
-                         f"never runs: {sorted(parked)[:3]})")
-    step_time = max([stream, d2h.free_at, h2d.free_at])
-    transfer = sum(end - start for start, end in d2h.busy + h2d.busy)
-    forward_end = step_time if forward_end is None else forward_end
-    peak_device, timeline, at_peak = _peak(events, persistent_bytes, keep_timeline)
-    peak_host, _, _ = _peak(host_events, 0, False)
-    by_level = _by_level(events, persistent_bytes, op_end_times)
-    hidden = 1.0 if transfer == 0 else max(0.0, 1.0 - stall / transfer)
-    return SimulationResult(
-        peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time, compute_time_s=compute,
-        stall_time_s=stall, transfer_time_s=transfer, hidden_share=hidden, swapped_bytes=plan.swapped_bytes,
-        forward_time_s=forward_end, device_by_level=by_level, d2h_busy=d2h.busy, h2d_busy=h2d.busy,
-        timeline=timeline, resident_at_peak=at_peak)
+    def result(self, persistent_bytes: int, keep_timeline: bool) -> SimulationResult:
+        d2h, h2d = self.d2h, self.h2d
+        step_time = max([self.stream, d2h.free_at, h2d.free_at])
+        transfer = sum(end - start for start, end in d2h.busy + h2d.busy)
+        forward_end = step_time if self.forward_end is None else self.forward_end
+        peak_device, timeline, at_peak = _peak(self.events, persistent_bytes, keep_timeline)
+        peak_host, _, _ = _peak(self.host_events, 0, False)
+        by_level = _by_level(self.events, persistent_bytes, self.op_end_times)
+        hidden = 1.0 if transfer == 0 else max(0.0, 1.0 - self.stall / transfer)
+        return SimulationResult(
+            peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time,
+            compute_time_s=self.compute, stall_time_s=self.stall, transfer_time_s=transfer, hidden_share=hidden,
+            swapped_bytes=self.plan.swapped_bytes, forward_time_s=forward_end, device_by_level=by_level,
+            d2h_busy=d2h.busy, h2d_busy=h2d.busy, timeline=timeline, resident_at_peak=at_peak)
 
 
 def _peak(events, base: int, keep: bool) -> tuple[int, list[tuple[float, int]], list[tuple[str, int]]]:

@@ -58,13 +58,15 @@ def test_gradient_kernels_are_backward_and_forward_kernels_forward(analyzed):
     assert gradient_kernels, "every architecture here has gradient kernels"
     for op_type in gradient_kernels:
         assert by_type[op_type] == {BACKWARD}, op_type
-    for op_type in ("Conv2D", "Conv3D", "FusedBatchNormV3", "Relu", "Softmax", "MaxPool", "MaxPool3D"):
+    for op_type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "FusedBatchNormV3", "Relu", "Softmax", "MaxPool",
+                    "MaxPool3D"):
         # Conv3D also computes the input gradient of a transposed convolution, so only "some are forward".
         assert op_type not in by_type or FORWARD in by_type[op_type], op_type
-    filters = sum(op.type.startswith("Conv") and "Backprop" not in op.type and op.category == FORWARD
-                  for op in g.ops.values())
+    filters = sum(op.type.startswith(("Conv", "DepthwiseConv")) and "Backprop" not in op.type
+                  and op.category == FORWARD for op in g.ops.values())
     filter_grads = sum("BackpropFilter" in op.type for op in g.ops.values())
-    # One filter gradient per convolution (a transposed convolution's is a BackpropFilter too).
+    # One filter gradient per convolution, depthwise ones included (a transposed convolution's is a
+    # BackpropFilter too).
     assert filters == filter_grads or filters + sum(
         op.type.startswith("Conv") and "BackpropInput" in op.type and op.category == FORWARD
         for op in g.ops.values()) == filter_grads

@@ -38,8 +38,11 @@ def test_every_swap_in_is_gated_and_the_old_placement_is_not(name):
     assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.first_failure()
     assert report.summary().startswith(f"swap-ins gated: {swap_ins}/{swap_ins}")
     # Each swap-in is delivered by a _Recv of its own (a _Recv shared by two swap-ins would bring
-    # the value back once, at the earlier trigger).
-    assert len({gate.recv for gate in report.gates}) == swap_ins
+    # the value back once, at the earlier trigger), except where Grappler removed every reader of
+    # the value: then nothing is copied back at all (2 of the LSTM's 205, 3 of the Transformer's 35).
+    delivered = [gate.recv for gate in report.gates if gate.recv is not None]
+    assert len(set(delivered)) == len(delivered) > 0
+    assert all(gate.reason.startswith("nothing reads the value") for gate in report.gates if gate.recv is None)
 
     ungated, batch = rewritten_on_split_devices(name, placement=lms_tf.Placement.UNGATED_ON_COMPUTE)
     before = verify_gating(ungated, *batch)
@@ -79,7 +82,7 @@ def test_sync_mode_3_waiters_wait_until_the_value_is_on_the_compute_device():
     checked_in = checked_out = 0
     for swap in rewritten.plan.swaps:
         for swap_in in swap.swap_ins:
-            recv = graph.delivering_recv(f"{IMPORT_SCOPE}/{swap_in.arrival}")
+            recv = graph.delivering_recv(f"{IMPORT_SCOPE}/{swap_in.name}", COMPUTE)
             for waiter in swap_in.waiters:
                 if f"{IMPORT_SCOPE}/{waiter}" in graph.nodes:
                     assert recv in graph.ancestors(f"{IMPORT_SCOPE}/{waiter}"), waiter
@@ -113,18 +116,22 @@ def test_swapin_groupby_0_gives_each_consumer_level_its_own_gated_copy():
 
 
 def test_the_check_names_what_is_wrong_on_hand_built_partitions():
-    """The check alone, on partitions built by hand: a trigger the executed graph lacks, and a
-    consumer that runs on the host."""
+    """The check alone, on executed partitions edited by hand: a consumer moved to the host (it reads
+    the swap-in there, with no copy), and a trigger the executed graph lacks."""
     rewritten, batch = rewritten_on_split_devices("densenet_block")
     partitions = executed_partitions(rewritten, *batch)
     swap_in = rewritten.plan.swaps[0].swap_ins[0]
-    for partition in partitions:
-        for node in partition.node:
-            if node.name == f"{IMPORT_SCOPE}/{swap_in.consumers[0]}":
-                node.device = node.device.replace("CPU:1", "CPU:0")
+    graph = PartitionedGraph(partitions)
+    recv = graph.delivering_recv(f"{IMPORT_SCOPE}/{swap_in.name}", COMPUTE)
+    reader = next(n for n in graph.readers_of(recv))
+    host = next(p for p in partitions if any(n.name == f"{IMPORT_SCOPE}/{swap_in.name}" for n in p.node))
+    moved = host.node.add()
+    moved.CopyFrom(reader)
+    moved.name, moved.device = moved.name + "_on_host", host.node[0].device
+    moved.input[:] = [f"{IMPORT_SCOPE}/{swap_in.name}" if i == recv else i for i in moved.input]
     report = check_partitions(partitions, rewritten.plan, COMPUTE, HOST)
     first = next(g for g in report.gates if g.swap_in == swap_in.name)
-    assert not first.gated and f"its consumer {IMPORT_SCOPE}/{swap_in.consumers[0]} runs on" in first.reason
+    assert not first.gated and first.reason.startswith(f"{moved.name} reads the value on")
     for partition in partitions:
         kept = [n for n in partition.node if n.name != f"{IMPORT_SCOPE}/{swap_in.trigger}"]
         del partition.node[:]
@@ -136,9 +143,8 @@ def test_the_check_names_what_is_wrong_on_hand_built_partitions():
 
 @pytest.mark.parametrize("name", ["resnet50", "lstm"])
 def test_the_executor_runs_each_swap_in_after_its_trigger_and_each_consumer_after_its_swap_in(name):
-    """From TensorFlow's profiler (every op the executor ran, on one clock): the gated host op starts
-    after its trigger has ended, and every far consumer starts after the value has arrived (the
-    arrival op on the compute device has ended)."""
+    """From TensorFlow's profiler (every op the executor ran, on one clock): the gated swap-in on the
+    host starts after its trigger has ended, and every far consumer starts after the swap-in has ended."""
     rewritten, batch = rewritten_on_split_devices(name)
     rewritten(*batch)  # first call: instantiation, kernel set-up
     spans = executed_timeline(lambda: float(rewritten(*batch)))
@@ -160,20 +166,17 @@ def test_the_executor_runs_each_swap_in_after_its_trigger_and_each_consumer_afte
         assert plumbing, f"no event for the trigger {trigger} or its control edge"
         return min(plumbing)
 
-    ordered = 0
+    ordered = unread = 0
     for swap in rewritten.plan.swaps:
         for swap_in in swap.swap_ins:
-            gate, arrival = span(swap_in.name), span(swap_in.arrival)
+            gate = span(swap_in.name)
             consumers = [c for c in map(span, swap_in.consumers) if c is not None]
-            assert gate is not None, swap_in.name
+            if gate is None:  # nothing reads the value (Grappler removed its readers): it never runs
+                assert not consumers, swap_in.name
+                unread += 1
+                continue
             assert gate.start_ps >= trigger_done(swap_in.trigger), (swap_in.name, swap_in.trigger)
             ordered += 1
-            if arrival is None:
-                # Grappler optimized every consumer away (the LSTM's gradient through its zero
-                # initial state): nothing reads the value, and TensorFlow never runs the arrival.
-                assert not consumers, swap_in.name
-                continue
-            assert arrival.start_ps >= gate.end_ps
             for consumer in consumers:
-                assert consumer.start_ps >= arrival.end_ps, swap_in.name
-    assert ordered == sum(len(s.swap_ins) for s in rewritten.plan.swaps) > 0
+                assert consumer.start_ps >= gate.end_ps, swap_in.name
+    assert ordered + unread == sum(len(s.swap_ins) for s in rewritten.plan.swaps) and ordered > 10 * unread

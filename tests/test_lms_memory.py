@@ -52,6 +52,6 @@ def test_plan_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, messa
 
 
 def test_a_recipe_with_nothing_to_swap_says_so(tmp_path, capsys):
-    plan = plan_of("unet3d-cpu.yaml", tmp_path, "--set", "lms.swapout_threshold=100000")
+    plan = plan_of("unet3d-cpu.yaml", tmp_path, "--set", "lms.mode=manual", "--set", "lms.swapout_threshold=100000")
     assert plan["swap_count"] == 0 and plan["swaps"] == []
     assert "nothing to swap" in capsys.readouterr().out

@@ -23,7 +23,7 @@ def test_profiling_a_rewritten_step_times_its_convolutions_and_leaves_the_weight
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=2, min_tensor_bytes=0)
     rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:CPU:0")
     assert rewritten.plan.swaps
-    graph = rewritten.planned.graph
+    graph = rewritten.planning.graph
     variables = list(model.variables) + list(optimizer.variables)
     before = [np.array(v.numpy()) for v in variables]
     batch = sample_inputs(specs, "/device:CPU:0")
@@ -106,5 +106,5 @@ def test_a_rank_replans_with_measured_op_times():
     again = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:CPU:0",
                            target=dataclasses.replace(target, measured_op_seconds=times.seconds))
     assert again.plan.cost_model.startswith(f"costs: {len(times.seconds)} op(s) measured")
-    assert again.planned.costs != first.planned.costs  # the simulation ran on the measured times
+    assert again.planning.costs != first.planning.costs  # the simulation ran on the measured times
     assert again.plan.prediction["step_time_s"] != first.plan.prediction["step_time_s"]

@@ -57,23 +57,42 @@ def test_structural_golden_on_a_tiny_graph():
     (planned_in,) = rewritten.plan.swaps[0].swap_ins
     assert planned_in.name == swap_in and planned_in.consumers == [relu_grad]
 
-    arrive = f"lms/arrive_{relu}_0_0"
-    assert planned_in.arrival == arrive
+    assert planned_in.arrival is None  # sync mode 0: nothing waits for the value to arrive
 
     # Swap-out and gated swap-in on the host; the swap-in waits for the trigger, so the host's _Send
-    # of its value to the GPU does too. The consumer reads the arrival on the GPU.
-    out, back, arrival = nodes[swap_out], nodes[swap_in], nodes[arrive]
+    # of its value to the GPU does too. The consumer on the GPU reads the swap-in.
+    out, back = nodes[swap_out], nodes[swap_in]
     assert (out.op, list(out.input), out.device) == ("Identity", [relu], CPU)
     assert (back.op, list(back.input), back.device) == ("Identity", [swap_out, f"^{planned_in.trigger}"], CPU)
-    assert (arrival.op, list(arrival.input), arrival.device) == ("Identity", [swap_in], "/device:GPU:0")
-    assert all(n.attr[KEEP_ATTR].b and n.attr["T"].type == tf.float32.as_datatype_enum for n in (out, back, arrival))
-    assert arrive in nodes[relu_grad].input and relu not in nodes[relu_grad].input
+    assert all(n.attr[KEEP_ATTR].b and n.attr["T"].type == tf.float32.as_datatype_enum for n in (out, back))
+    assert nodes[planned_in.trigger].attr[KEEP_ATTR].b  # Grappler must not rewrite the trigger away
+    assert swap_in in nodes[relu_grad].input and relu not in nodes[relu_grad].input
     # The forward consumer (the pooling) still reads the original; so does the swap-out, and nothing else.
     assert sorted((n.op, n.name == swap_out) for n in nodes.values() if relu in n.input) == [
         ("Identity", True), ("Mean", False)]
     original = {n.name for n in rewritten.concrete.graph.as_graph_def().node}
-    assert set(nodes) - original == {swap_out, swap_in, arrive}
+    assert set(nodes) - original == {swap_out, swap_in}
     assert rewritten.host_ops == {swap_out, swap_in}
+
+
+def test_structural_golden_of_a_sync_mode_2_arrival():
+    """With sync mode 2 the trigger's other backward successors wait until the value is on the GPU:
+    for an op there that reads it, a one-element Slice (4 bytes on the device)."""
+    step, specs = conv_relu_step((8, 8, 2), batch=2)
+    config = LMSConfig(enabled=True, swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0, include_types=["Relu"],
+                       sync_mode=2)
+    rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:GPU:0", host_device=CPU)
+    nodes = {n.name: n for n in rewritten.graph_def.node}
+    (planned_in,) = rewritten.plan.swaps[0].swap_ins
+    assert planned_in.waiters and planned_in.arrival == planned_in.name.replace("lms/swapin_", "lms/arrive_")
+    arrival = nodes[planned_in.arrival]
+    begin, size = f"{planned_in.arrival}/begin", f"{planned_in.arrival}/size"
+    assert (arrival.op, list(arrival.input), arrival.device) == ("Slice", [planned_in.name, begin, size], "/device:GPU:0")
+    assert list(tf.make_ndarray(nodes[begin].attr["value"].tensor)) == [0, 0, 0, 0]
+    assert list(tf.make_ndarray(nodes[size].attr["value"].tensor)) == [1, 1, 1, 1]
+    for waiter in planned_in.waiters:
+        assert f"^{planned_in.arrival}" in nodes[waiter].input
+    assert grappler_losses(rewritten) == []
 
 
 def test_swaps_survive_grapplers_default_optimization():

@@ -163,7 +163,7 @@ def test_with_an_infinite_link_the_peaks_match_grappler_within_10_percent(model,
     rewritten = lms_tf.rewrite(step, *specs, config=config)
     assert rewritten.plan.swaps
     grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
-    graph, plan = rewritten.planned.graph, rewritten.plan
+    graph, plan = rewritten.planning.graph, rewritten.plan
     costs = step_costs(graph, PROFILES["v100"])
     sim_base = simulate(graph, Plan(settings=plan.settings), costs, INFINITE)
     sim_lms = simulate(graph, plan, costs, INFINITE)

@@ -118,15 +118,19 @@ def test_named_links_are_distinct_enough_to_matter():
 
 
 def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_for():
-    from launcher.lms_step import device_profile
+    from launcher.lms_target import device_profile
     from launcher.recipe import load_recipe
     from tests.conftest import RECIPES
 
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml",
-                         ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB, name: l40}"])
+                         ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB, name: l40}",
+                          "lms.device_memory=null"])
     profile, memory, why = device_profile(recipe.lms, gpu=None)
     assert (profile.name, profile.flops_per_s, profile.memory_bytes_per_s) == ("l40", 30e12, 1200e9)
     assert memory == 24 << 30 and why == "lms.device: custom profile"
+    # lms.device_memory, when set (the recipe's 24 MiB), is what is planned for, whatever the profile.
+    with_memory = load_recipe(RECIPES / "unet3d-cpu.yaml", ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB}"])
+    assert device_profile(with_memory.lms, gpu=None)[1] == 24 << 20
     # Twice the FLOP/s of a v100 profile and the same bandwidth: a compute-bound op takes half as long.
     g = conv_graph()
     fast = CustomDevice(tflops=31.4, memory_gb_per_s=900, memory="16GiB").profile()
@@ -136,7 +140,7 @@ def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_fo
 
 
 def test_a_cpu_rank_asked_to_measure_its_link_falls_back_and_says_why():
-    from launcher.lms_step import rank_target
+    from launcher.lms_target import rank_target
 
     lms = LMSConfig(enabled=True, link="auto", link_fallback="pcie4", measure_link=True)
     target, lines = rank_target(lms, rank=0, local_rank=0, local_size=2, on_gpu=False)

@@ -35,6 +35,12 @@ class Task(abc.ABC):
     def synthetic_batch(self, batch_size: int, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
         """One learnable random batch (labels depend on the inputs), made on the current device."""
 
+    @abc.abstractmethod
+    def smallest_input_shape(self) -> list[int]:
+        """The smallest input, same channels, that builds the same network: the same layers and
+        the same ops under the same names, only smaller tensors. `lms-launch plan` checks the LMS
+        rewrite of a paper-sized step on this twin, which a CPU can run."""
+
     def input_spec(self, batch_size: int) -> tf.TensorSpec:
         return tf.TensorSpec([batch_size, *self.model_cfg.input_shape], tf.float32, name="inputs")
 

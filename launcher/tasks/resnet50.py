@@ -19,6 +19,9 @@ class ResNet50Task(Task):
         )
         return model
 
+    def smallest_input_shape(self) -> list[int]:
+        return [32, 32, self.model_cfg.input_shape[-1]]  # five stride-2 stages: 32 pixels reach 1x1
+
     def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         outputs = tf.cast(outputs, tf.float32)
         per_sample = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)

@@ -48,6 +48,10 @@ class UNet3DTask(Task):
         cfg = self.model_cfg
         return unet3d(cfg.input_shape, cfg.classes, cfg.depth, cfg.base_filters, cfg.batch_norm)
 
+    def smallest_input_shape(self) -> list[int]:
+        side = 2 ** (self.model_cfg.depth - 1)  # one voxel at the bottom level
+        return [side, side, side, self.model_cfg.input_shape[-1]]
+
     def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         """Cross-entropy + (1 - mean soft Dice over classes): cross-entropy gives smooth early
         gradients, Dice keeps small tumour regions from being drowned by the background."""

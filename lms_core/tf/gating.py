@@ -22,6 +22,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.python.eager import context
 
 from lms_core.plan import Plan
+from lms_core.planner import device_id
 from lms_core.tf.reimport import IMPORT_SCOPE
 
 SEND, RECV = "_Send", "_Recv"
@@ -35,7 +36,7 @@ class SwapInGate:
     trigger: str
     gated: bool
     recv: str | None = None  # the `_Recv` that delivers the value to the compute device
-    reason: str = ""  # why it is not gated
+    reason: str = ""  # why it is not gated, or a note on one that is
 
 
 @dataclass
@@ -107,9 +108,7 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     report = GatingReport(compute_device, host_device)
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
-            report.gates.append(graph.gate(f"{scope}/{swap_in.arrival}", f"{scope}/{swap_in.trigger}",
-                                           [f"{scope}/{c}" for c in swap_in.consumers], swap_in.name,
-                                           swap_in.trigger))
+            report.gates.append(graph.gate(swap_in, compute_device, scope))
     return report
 
 
@@ -119,34 +118,64 @@ class PartitionedGraph:
     def __init__(self, partitions: list[graph_pb2.GraphDef]):
         self.nodes = {node.name: node for partition in partitions for node in partition.node}
         self.sends = {_edge(node): node.name for node in self.nodes.values() if node.op == SEND}
+        self.recvs_of: dict[str, list[str]] = {}  # op -> the _Recvs that deliver its value elsewhere
+        for node in self.nodes.values():
+            if node.op == RECV and _edge(node) in self.sends:
+                sent = self.nodes[self.sends[_edge(node)]].input[0]
+                if not sent.startswith("^"):
+                    self.recvs_of.setdefault(_op_name(sent), []).append(node.name)
 
-    def gate(self, arrival: str, trigger: str, consumers: list[str], swap_in: str, trigger_label: str) -> SwapInGate:
+    def gate(self, swap_in, compute_device: str, scope: str) -> SwapInGate:
+        trigger = f"{scope}/{swap_in.trigger}"
+
         def verdict(gated: bool, reason: str = "", recv: str | None = None) -> SwapInGate:
-            return SwapInGate(swap_in, trigger_label, gated, recv, reason)
+            return SwapInGate(swap_in.name, swap_in.trigger, gated, recv, reason)
 
-        if arrival not in self.nodes:
-            return verdict(False, f"its arrival op {arrival} is not among the executed ops")
-        recv = self.delivering_recv(arrival)
+        name = f"{scope}/{swap_in.name}"
+        if name not in self.nodes:
+            return verdict(False, f"the swap-in {name} is not among the executed ops")
+        recv = self.delivering_recv(name, compute_device)
+        if recv is None and not self.readers_of(name) and not _same_device(self.nodes[name].device, compute_device):
+            # Grappler removed every op that read it (an LSTM's gradient through its zero initial
+            # state): the value never comes back, so it cannot come back early.
+            return verdict(True, "nothing reads the value in the executed graph: no copy is made")
         if recv is None:
             return verdict(False, "the value is not received from another device: nothing is copied back")
         if trigger not in self.nodes:
             return verdict(False, f"the trigger {trigger} is not among the executed ops (fused or pruned by Grappler)",
                            recv)
-        if trigger not in self.ancestors(recv):
-            return verdict(False, f"{recv} does not depend on the trigger: the copy back can happen any time after "
-                                  f"the swap-out", recv)
-        device = self.nodes[arrival].device
-        # A consumer Grappler fused into another op is not looked for; one that runs elsewhere would
-        # take the value away from the compute device again.
-        elsewhere = next((c for c in consumers if c in self.nodes and self.nodes[c].device != device), None)
-        if elsewhere is not None:
-            return verdict(False, f"its consumer {elsewhere} runs on {self.nodes[elsewhere].device}, not on the compute "
-                                  f"device", recv)
+        # Every read of the value must happen on the compute device, through a _Recv that waits for
+        # the trigger. (Which op reads it may change: Grappler reassociates products, for one.)
+        swap_in_node = self.nodes[name]
+        if not _same_device(swap_in_node.device, compute_device):
+            local = next((n.name for n in self.readers_of(name) if n.op != SEND), None)
+            if local is not None:
+                return verdict(False, f"{local} reads the value on {swap_in_node.device}, not on the compute device", recv)
+            recvs = self.recvs_of.get(name, [])
+        else:
+            recvs = [recv]
+        for each in recvs:
+            if not _same_device(self.nodes[each].device, compute_device):
+                return verdict(False, f"{each} brings the value to {self.nodes[each].device}, not to the compute device",
+                               recv)
+            if trigger not in self.ancestors(each):
+                return verdict(False, f"{each} does not depend on the trigger: the copy back can happen any time "
+                                      f"after the swap-out", recv)
         return verdict(True, recv=recv)
 
-    def delivering_recv(self, name: str) -> str | None:
-        """Up the first data input from `name`, on its own device, to the `_Recv` that brings the value."""
-        node = self.nodes[name]
+    def readers_of(self, name: str) -> list:
+        """The ops whose data inputs include `name`'s outputs (in its own partition)."""
+        return [node for node in self.nodes.values()
+                if any(not i.startswith("^") and _op_name(i) == name for i in node.input)]
+
+    def delivering_recv(self, swap_in: str, compute_device: str) -> str | None:
+        """The `_Recv` through which the swap-in's value reaches the compute device: the one its own
+        `_Send` feeds when it sits on another device (the host), or the one it reads, up its data
+        inputs, when it sits on the compute device itself (the placement the check must reject)."""
+        node = self.nodes[swap_in]
+        if not _same_device(node.device, compute_device):
+            on_compute = [r for r in self.recvs_of.get(swap_in, []) if _same_device(self.nodes[r].device, compute_device)]
+            return on_compute[0] if on_compute else None
         seen = set()
         while node.op != RECV:
             data = [i for i in node.input if not i.startswith("^")]
@@ -173,6 +202,11 @@ class PartitionedGraph:
                     seen.add(source)
                     queue.append(source)
         return seen
+
+
+def _same_device(placed: str, device: str) -> bool:
+    """`/job:localhost/replica:0/task:0/device:CPU:1` is `/device:CPU:1`."""
+    return device_id(placed) == device_id(device)
 
 
 def _edge(node) -> tuple[bytes, bytes, bytes]:

@@ -27,18 +27,21 @@ def grappler_losses(rewritten) -> list[str]:
         if swap.swap_out not in optimized:
             lost.append(f"{swap.swap_out}: removed")
         for swap_in in swap.swap_ins:
-            gate, arrival = optimized.get(swap_in.name), optimized.get(swap_in.arrival)
-            for name, node in ((swap_in.name, gate), (swap_in.arrival, arrival)):
-                if node is None:
-                    lost.append(f"{name}: removed")
-            if gate is not None:
+            gate = optimized.get(swap_in.name)
+            if gate is None:
+                lost.append(f"{swap_in.name}: removed")
+            else:
                 if not gate.input or gate.input[0] != swap.swap_out:
                     lost.append(f"{swap_in.name}: no longer reads {swap.swap_out}")
                 if f"^{swap_in.trigger}" not in gate.input:
                     lost.append(f"{swap_in.name}: lost its control input from {swap_in.trigger}")
-            if arrival is not None and (not arrival.input or arrival.input[0] != swap_in.name):
-                lost.append(f"{swap_in.arrival}: no longer reads {swap_in.name}")
+            if swap_in.arrival:
+                arrival = optimized.get(swap_in.arrival)
+                if arrival is None:
+                    lost.append(f"{swap_in.arrival}: removed")
+                elif not arrival.input or arrival.input[0] != swap_in.name:
+                    lost.append(f"{swap_in.arrival}: no longer reads {swap_in.name}")
             for consumer in swap_in.consumers:
-                if consumer in optimized and swap_in.arrival not in optimized[consumer].input:
-                    lost.append(f"{consumer}: no longer reads {swap_in.arrival}")
+                if consumer in optimized and swap_in.name not in optimized[consumer].input:
+                    lost.append(f"{consumer}: no longer reads {swap_in.name}")
     return lost

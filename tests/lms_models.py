@@ -11,8 +11,10 @@ from launcher.tasks.unet3d import unet3d
 
 
 def resnet50() -> tuple[keras.Model, tuple]:
+    """Batch 4 with three classes in it: at batch 2 (one class) the first step drives the logits so
+    far that the float32 loss is exactly 0 from the second step on, and later steps test nothing."""
     model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
-    return model, ((2, 32, 32, 3), (2,))
+    return model, ((4, 32, 32, 3), (4,))
 
 
 def small_unet3d() -> tuple[keras.Model, tuple]:

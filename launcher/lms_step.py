@@ -117,7 +117,7 @@ def verify(rewritten, specs: tuple, device: str):
     from lms_core.tf.gating import GatingReport, verify_gating
     from lms_core.tf.op_profile import sample_inputs
 
-    if not rewritten.plan.swaps:
+    if not rewritten.plan.swaps and not rewritten.plan.control_edges:
         return GatingReport(rewritten.compute_device, rewritten.host_device)
     return verify_gating(rewritten, *sample_inputs(specs, f"/device:{device}"))
 
@@ -159,6 +159,9 @@ def log_plan(plan: dict, seconds: float, log: Callable[[str], None], details: bo
     check = plan["verification"]
     gated = (f"LMS rank {rank}: swap-ins gated: {check['gated']}/{check['swap_ins']} (checked on the partition graphs "
              f"TensorFlow executed, {check['devices']['compute']} with host {check['devices']['host']})")
+    edges = check.get("control_edges", {})
+    if edges.get("checked"):
+        gated += f"; backward branches ordered: {edges['kept']}/{edges['checked']} control edges honoured"
     if not details:
         log(describe(plan, rank, seconds) + " (the same plan as rank 0)")
         log(gated)

@@ -73,22 +73,26 @@ def main(argv: list[str]) -> int:
     from launcher.training import build_training
     from launcher.twin import verify_on_twin
     from lms_core.plan import Plan
+    from lms_core.planning import tunes
     from lms_core.simulator import simulate
     from lms_core.units import format_bytes
 
     started = time.perf_counter()
+    import keras
+
+    keras.backend.clear_session()  # names start afresh, as they will for the gating check's twin
     setup = build_training(recipe, ranks=1, device="CPU:0")
     target, lines = rank_target(planned_lms, rank=0, local_rank=0, local_size=1, on_gpu=False)
     for line in lines:
         say(line)
-    say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if planned_lms.mode == "auto" else ""))
+    say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if tunes(planned_lms, target) else ""))
     rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=planned_lms, compute_device="/device:GPU:0",
                                host_device="/device:CPU:0", target=target)
     planned = rewritten.planning
     say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
     device_memory = target.device_memory_bytes
     baseline, lms = lms_tf.estimate_rewrite(rewritten, device_memory)
-    if rewritten.plan.swaps:
+    if rewritten.plan.swaps or rewritten.plan.control_edges:
         say("checking that every swap-in waits for its trigger in what TensorFlow executes (the same step at its "
             "smallest input, on split CPU devices)")
         try:
@@ -130,6 +134,9 @@ def main(argv: list[str]) -> int:
         print(f"  swap-ins gated: {verification['gated']}/{verification['swap_ins']} (in the partition graphs "
               f"TensorFlow executed for this step at {twin['input_shape']}, batch {twin['batch_size']}, on "
               f"{verification['devices']['compute']} with host {verification['devices']['host']})")
+        edges = verification["control_edges"]
+        if edges["checked"]:
+            print(f"  backward branches ordered: {edges['kept']}/{edges['checked']} control edges honoured there")
     print(f"  (estimates and simulations, not GPU measurements; {time.perf_counter() - started:.0f} s)")
     if args.plot:
         from launcher.plot import plot_step

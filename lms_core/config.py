@@ -94,6 +94,16 @@ class LMSConfig:
     min_tensor_bytes: int = 1 << 20
     """Tensors smaller than this many bytes are never swapped: their copy costs more than it saves."""
 
+    serialize_branches: bool = True
+    """Where the backward pass's branches join (a ResNet block's main path and shortcut, the terms of a
+    batch-norm gradient), run them one after another, the heavier first, so their temporaries are not
+    resident together (lms_core/serialize.py; TFLMS v2's `serialization`, placed by structure)."""
+
+    swap_backward: bool = True
+    """Also swap backward-pass tensors read again `swapout_threshold` levels later or more (a gradient
+    term summed at the end of a batch-norm gradient, a gradient kept for a fork's other branch), not
+    only forward activations."""
+
     include_scopes: list[str] = field(default_factory=list)
     """Only tensors whose producer's name starts with one of these scopes are swapped (empty: all)."""
 

@@ -38,6 +38,14 @@ class Swap:
     waiters: list[str] = field(default_factory=list)  # sync_mode 1/3: forward ops held until the swap-out is done
 
 
+@dataclass(frozen=True)
+class ControlEdge:
+    """`after` waits for `before` (lms_core.serialize: the backward branches run one at a time)."""
+
+    before: str
+    after: str
+
+
 @dataclass
 class Skip:
     tensor: str
@@ -51,6 +59,7 @@ class Plan:
     swaps: list[Swap] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)  # tensors that would qualify but cannot be swapped
     skipped_small: int = 0  # distant tensors under lms.min_tensor_bytes (counted, not listed)
+    control_edges: list[ControlEdge] = field(default_factory=list)  # lms.serialize_branches: the order imposed
     ops: int = 0
     levels: int = 0
     # Filled by the TensorFlow layer when it estimates memory (lms_core.tf.estimate):
@@ -82,9 +91,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def summary(self) -> str:
+        ordered = f"; {len(self.control_edges)} control edge(s) serialize the backward branches" if self.control_edges else ""
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
-                    f"see 'skipped' for the reasons)")
+                    f"see 'skipped' for the reasons){ordered}")
         swap_ins = sum(len(s.swap_ins) for s in self.swaps)
         return (f"LMS plan: {len(self.swaps)} tensor(s) swapped, {self.swapped_bytes / 2**20:.1f} MiB, "
-                f"{swap_ins} swap-in(s); {len(self.skipped)} skipped")
+                f"{swap_ins} swap-in(s); {len(self.skipped)} skipped{ordered}")

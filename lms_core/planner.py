@@ -1,10 +1,12 @@
-"""Which forward tensors to park in host memory, and when each comes back (TFLMS v2 vocabulary).
+"""Which tensors to park in host memory, and when each comes back (TFLMS v2 vocabulary).
 
-A forward tensor is a candidate when a backward op consumes it at least `swapout_threshold` levels
-after its producer. Its far consumers are grouped (`swapin_groupby`); each group gets one swap-in whose
-copy starts when a trigger op has run: the backward op `swapin_ahead` levels before the group's first
-consumer, found by walking back along the consumer's latest backward inputs (the path that actually
-runs just before it). Near consumers keep reading the original tensor.
+A forward tensor (or, with `lms.swap_backward`, a backward one) is a candidate when a backward op
+consumes it at least `swapout_threshold` levels after its producer. Its far consumers are grouped
+(`swapin_groupby`); each group gets one swap-in whose copy starts when a trigger op has run: the
+backward op `swapin_ahead` levels before the group's first consumer, found by walking back along the
+consumer's latest backward inputs (the path that actually runs just before it). Near consumers keep
+reading the original tensor, and a swap whose copy would come back before the original's last near
+read is not made: both copies would be resident at once, and the swap would cost memory.
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
     for name in graph.order:
         producer = graph[name]
-        if producer.category != FORWARD and name not in data_inputs:
+        phase = _phase(producer, name in data_inputs, config)
+        if phase is None:
             continue
         for index, info in enumerate(producer.outputs):
             tensor = tensor_name(name, index)
@@ -89,14 +92,35 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
                 plan.skipped.append(Skip(tensor, info.nbytes, swap_ins))
                 continue
             far_names = {c.name for c in far}
+            near = [c for c, _ in consumers if c.name not in far_names and c.type not in SHAPE_ONLY_TYPES]
+            last_near = max((c.level for c in near), default=producer.level)
+            early = next((s for s in swap_ins if s.trigger_level <= last_near), None)
+            if early is not None:
+                # The copy would come back while the original is still on the device (it has a reader at
+                # that level or later): two copies at once, more memory than without the swap.
+                plan.skipped.append(Skip(tensor, info.nbytes, (
+                    f"its swap-in would start at level {early.trigger_level}, while the original is still read at "
+                    f"level {last_near}: both copies would be on the device at once (a smaller lms.swapin_ahead brings "
+                    f"it back later)")))
+                continue
             waiters = []
             if config.sync_mode in (1, 3):
-                waiters = sorted({c.name for c, _ in consumers if c.category == FORWARD and c.name not in far_names})
+                waiters = sorted({c.name for c in near if c.category == phase})
             plan.swaps.append(Swap(
                 tensor=tensor, producer_type=producer.type, shape=list(info.shape), dtype=info.dtype,
                 nbytes=info.nbytes, producer_level=producer.level, swap_out=f"lms/swapout_{name}_{index}",
                 swap_ins=swap_ins, waiters=waiters))
     return plan
+
+
+def _phase(producer: Op, is_data_input: bool, config: LMSConfig) -> str | None:
+    """The pass whose tensors `producer` makes, if they may be swapped: the forward pass's (the
+    batch counts as forward), the backward pass's with `lms.swap_backward`, or None."""
+    if producer.category == FORWARD or is_data_input:
+        return FORWARD
+    if producer.category == BACKWARD and config.swap_backward:
+        return BACKWARD
+    return None
 
 
 def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_device: str) -> str | None:

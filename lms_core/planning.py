@@ -16,8 +16,9 @@ from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
-from lms_core.plan import Plan
+from lms_core.plan import ControlEdge, Plan
 from lms_core.planner import plan_swaps
+from lms_core.serialize import order_edges, with_control_edges
 from lms_core.simulator import SimulationResult, simulate
 from lms_core.tuner import TuningResult, tune
 
@@ -53,7 +54,20 @@ def tunes(config: LMSConfig, target: Target | None) -> bool:
 def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
                target: Target | None = None) -> Planning:
     """Plans `graph` (analysed: categories, levels, regions) for `target`. `data_inputs` names the
-    step's batch placeholders, which are swap candidates like forward activations."""
+    step's batch placeholders, which are swap candidates like forward activations. With
+    `lms.serialize_branches` the backward branches are ordered first (lms_core.serialize) and the
+    swaps are planned, and simulated, on the ordered graph, which `Planning.graph` then is."""
+    edges: list[ControlEdge] = []
+    if config.serialize_branches:
+        edges = order_edges(graph, max(1, config.min_tensor_bytes))
+        graph = with_control_edges(graph, edges)
+    planning = _plan(graph, config, compute_device, data_inputs, target)
+    planning.plan.control_edges = edges
+    return planning
+
+
+def _plan(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
+          target: Target | None) -> Planning:
     if target is None:
         return Planning(graph, plan_swaps(graph, config, compute_device, data_inputs))
     costs, cost_model = op_costs(graph, target)

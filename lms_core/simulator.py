@@ -26,7 +26,8 @@ from lms_core.plan import Plan
 
 # Memory events at one instant are applied in this order. Buffers an op allocates as it starts
 # count together with those freed as its predecessor ends (Grappler's trace does the same), except
-# for an op that started the instant a copy it waited for arrived: a copy is an op of its own.
+# for an op that started the instant a copy it waited for arrived (a copy is an op of its own), and
+# for a copy back's buffer, allocated once its trigger has ended and freed what it read.
 ALLOC, FREE, ALLOC_AFTER_COPY = 0, 1, 2
 
 
@@ -160,6 +161,7 @@ class _Replay:
         self.forward_end: float | None = None
         self.op_end_times: list[tuple[float, int]] = []
         self.parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
+        self.deferred: dict[str, list[tuple[str, float]]] = {}  # tensor not yet on the host -> (swap-in, trigger end)
         self.pending = dict(self.structure.predecessor_count)
         self.ready_at = {name: 0.0 for name in graph.order}
         self.queue: list[tuple[float, int, int, int, str]] = []
@@ -192,7 +194,7 @@ class _Replay:
             self._swap_out(name, finish)
             self._swap_in(name, finish)
             self._wake_successors(name, finish)
-        if self.parked or len(self.end) != len(graph.order):
+        if self.parked or self.deferred or len(self.end) != len(graph.order):
             raise ValueError(f"simulation stalled: {len(graph.order) - len(self.end)} op(s) never ran (a swap-in whose "
                              f"trigger never runs: {sorted(self.parked)[:3]})")
 
@@ -259,20 +261,30 @@ class _Replay:
             self.host_events.append((copy_start, ALLOC, swap.nbytes, tensor))
             self.swapped_out_at[tensor] = copy_end
             self._release(tensor, copy_end)
+            for swap_in_name, triggered in self.deferred.pop(tensor, []):
+                self._copy_back(swap_in_name, triggered)
 
     def _swap_in(self, name: str, finish: float) -> None:
         """Starts the swap-ins `name` triggers: each copy starts when the trigger is done, the value
         has reached the host and the H2D queue is free; its device buffer is allocated as it starts."""
         for swap_in_name in self.routes.triggers.get(name, []):
-            swap = self.routes.swap_in_of[swap_in_name]
-            copy_start, copy_end = self.h2d.copy(max(finish, self.swapped_out_at[swap.tensor]), swap.nbytes)
-            self.events.append((copy_start, ALLOC, swap.nbytes, swap_in_name))
-            self.arrival[swap_in_name] = copy_end
-            for waiting in self.parked.pop(swap_in_name, []):
-                self._enqueue(waiting)
-            self.host_refs[swap.tensor] -= 1
-            if self.host_refs[swap.tensor] == 0:
-                self.host_events.append((copy_end, FREE, -swap.nbytes, swap.tensor))
+            tensor = self.routes.swap_in_of[swap_in_name].tensor
+            if tensor in self.swapped_out_at:
+                self._copy_back(swap_in_name, finish)
+            else:  # a trigger on another branch ran before the tensor was even produced: wait for it
+                self.deferred.setdefault(tensor, []).append((swap_in_name, finish))
+
+    def _copy_back(self, swap_in_name: str, triggered: float) -> None:
+        swap = self.routes.swap_in_of[swap_in_name]
+        copy_start, copy_end = self.h2d.copy(max(triggered, self.swapped_out_at[swap.tensor]), swap.nbytes)
+        # The copy starts once its trigger has ended, after the buffers the trigger freed as it ended.
+        self.events.append((copy_start, ALLOC_AFTER_COPY, swap.nbytes, swap_in_name))
+        self.arrival[swap_in_name] = copy_end
+        for waiting in self.parked.pop(swap_in_name, []):
+            self._enqueue(waiting)
+        self.host_refs[swap.tensor] -= 1
+        if self.host_refs[swap.tensor] == 0:
+            self.host_events.append((copy_end, FREE, -swap.nbytes, swap.tensor))
 
     def _wake_successors(self, name: str, finish: float) -> None:
         for succ in self.structure.successors[name]:

@@ -40,8 +40,11 @@ def test_a_rank_on_split_devices_verifies_writes_and_logs_its_plan(tmp_path):
     assert plan["verification"]["gated"] == plan["verification"]["swap_ins"] == swap_ins
     assert plan["verification"]["ungated"] == []
     assert plan["host_available_bytes"] > 0 and plan["pinned_memory_problem"] is None
+    edges = len(rewritten.plan.control_edges)
+    assert edges > 0 and plan["verification"]["control_edges"] == {"kept": edges, "checked": edges, "broken": []}
     assert (f"LMS rank 0: swap-ins gated: {swap_ins}/{swap_ins} (checked on the partition graphs TensorFlow "
-            f"executed, /device:CPU:1 with host /device:CPU:0)") in lines
+            f"executed, /device:CPU:1 with host /device:CPU:0); backward branches ordered: {edges}/{edges} control "
+            f"edges honoured") in lines
     assert any(line.startswith("LMS rank 0: swap inputs:0") for line in lines)  # the swaps are named
 
 

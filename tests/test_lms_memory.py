@@ -27,9 +27,12 @@ def test_resnet50_batch_256_fits_16gib_only_with_lms(tmp_path):
     peaks = plan["estimated_peak_bytes"]
     assert 19.5 * GIB < peaks["baseline"] < 21.5 * GIB  # about 20.4 GiB, as measured before this project
     assert plan["fits"] == {"baseline": False, "lms": True}
-    assert peaks["lms"] <= 0.5 * peaks["baseline"]  # measured: 7.85 of 20.56 GiB (38%)
+    assert peaks["lms"] <= 0.5 * peaks["baseline"]  # measured: 3.55 of 20.56 GiB (17%)
     assert plan["swap_count"] == len(plan["swaps"]) > 50
-    assert plan["estimated_host_bytes"] >= 0.9 * plan["swapped_bytes"]
+    # Every forward activation swapped out is on the host at once when the forward pass ends (backward
+    # tensors swapped later come and go).
+    forward = sum(swap["nbytes"] for swap in plan["swaps"] if not swap["tensor"].startswith("gradient_tape/"))
+    assert plan["estimated_host_bytes"] >= 0.9 * forward
     assert plan["device_memory_bytes"] == 16 * GIB
 
 

@@ -55,12 +55,12 @@ def test_tuning_is_deterministic():
 
 
 def test_the_threshold_is_tuned_again_once_the_swap_ins_are_on_time():
-    """Swap-ins started 2 levels ahead (the search's start) come back too early to lower this step's
-    peak at any threshold, so the first round swaps all three activations. With them 1 level ahead,
-    swapping two suffices, and only that plan fits a 9 MiB host budget: found in the second round."""
+    """Swap-ins started 2 levels ahead (the search's start) hold their buffers beside the ones still in
+    use: no threshold brings this step under 16 MiB (20 MiB at best), so the first round swaps all
+    three activations. With them 1 level ahead 12 MiB is reached, swapping two suffices, and only that
+    plan fits a 9 MiB host budget (all three park 12 MiB): found in the second round."""
     g = chain_step()
-    result = tune(g, unit_costs(g), FAST, device_budget_bytes=5 * 4 * MIB + 1024, host_budget_bytes=9 * MIB,
-                  base=BASE)
+    result = tune(g, unit_costs(g), FAST, device_budget_bytes=16 * MIB, host_budget_bytes=9 * MIB, base=BASE)
     assert result.fits
     assert (result.config.swapout_threshold, result.config.swapin_ahead) == (4, 1)
     assert [s.tensor for s in result.plan.swaps] == ["a:0", "b:0"]
@@ -148,3 +148,22 @@ def test_a_cpu_rank_asked_to_measure_its_link_falls_back_and_says_why():
     assert "no GPU, so the recipe's lms.link_fallback" in lines[0]
     assert "lms.measure_link needs a GPU" in lines[0]
     assert target.device.name == "v100" and target.device_memory_bytes == 16 << 30
+
+
+def test_the_tuner_survives_plans_whose_trigger_runs_before_the_tensor_is_on_the_host():
+    """With backward tensors swapped, a swap-in's trigger on one branch can run before the swapped
+    tensor, on another branch, has been produced and copied out (TensorFlow just waits: the host
+    swap-in needs the data). The simulator waits too instead of failing: this tuning of the CPU
+    U-Net recipe at batch 8 raised a KeyError in the simulator before."""
+    import lms_core.tf as lms_tf
+    from launcher.lms_target import rank_target
+    from launcher.recipe import load_recipe
+    from launcher.training import build_training
+    from tests.conftest import RECIPES
+
+    recipe = load_recipe(RECIPES / "unet3d-cpu.yaml", ["train.batch_size=8"])
+    setup = build_training(recipe, ranks=1, device="CPU:0")
+    target, _ = rank_target(recipe.lms, rank=0, local_rank=0, local_size=1, on_gpu=False)
+    rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=recipe.lms, target=target)
+    assert rewritten.planning.tuning.simulations > 10
+    assert any(s.producer_level > 0 and "gradient_tape/" in s.tensor for s in rewritten.plan.swaps)

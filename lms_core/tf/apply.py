@@ -1,4 +1,5 @@
-"""Apply a Plan to a GraphDef: add swap-out and swap-in ops and reroute the far consumers.
+"""Apply a Plan to a GraphDef: add swap-out and swap-in ops, reroute the far consumers, and add the
+control edges that order the backward branches (`Plan.control_edges`).
 
 Where the ops sit decides whether anything is saved. With the compute device different from the
 host, TensorFlow partitions the step per device and turns every cross-device edge into a
@@ -19,7 +20,7 @@ completes as soon as its `_Send` has run. So:
   `Shape` needs no data, and Grappler pins it to the host.)
 
 All added ops carry `_grappler_do_not_remove`, or Grappler's dependency optimizer folds them away
-as no-op Identities. So do the triggers: Grappler rewrites some backward ops away (its arithmetic
+as no-op Identities. So do the triggers and the ends of the plan's control edges: Grappler rewrites some backward ops away (its arithmetic
 optimizer turns `Add(x, Neg(y))` into `Sub(x, y)`, which removed 9 of 582 triggers of a small
 ResNet-50), and a swap-in whose trigger is gone waits for nothing. `lms_core.tf.gating` proves the
 placement on the partition graphs TensorFlow executes.
@@ -58,6 +59,10 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, h
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
     swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
+    for edge in plan.control_edges:  # the backward branches' order (lms_core.serialize)
+        _add_control_input(nodes[edge.after], edge.before)
+        for end in (edge.before, edge.after):  # a folded end would take the order with it
+            nodes[end].attr[KEEP_ATTR].b = True
     added = []
     for swap in plan.swaps:
         source = graphdef_ref(swap.tensor)

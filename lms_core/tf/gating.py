@@ -10,7 +10,9 @@ of the `_Recv` that delivers the value to the compute device, following `_Recv` 
 
 `verify_gating` runs the rewritten step once (weights and optimizer state restored afterwards) on
 its device pair, reads the partition graphs TensorFlow reports for that run, and checks every
-swap-in. `check_partitions` is the check alone, on given partition graphs.
+swap-in. `check_partitions` is the check alone, on given partition graphs. It also checks that the
+executed graph honours the plan's control edges (the backward branches' order, lms_core.serialize):
+each edge's later op must have the earlier one among its ancestors.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ class GatingReport:
     compute_device: str
     host_device: str
     gates: list[SwapInGate] = field(default_factory=list)
+    edges_kept: int = 0  # the plan's control edges (lms_core.serialize) that the executed graph honours
+    edges_checked: int = 0  # those whose two ops TensorFlow executed under their own names
+    edges_broken: list[str] = field(default_factory=list)
 
     @property
     def gated(self) -> int:
@@ -60,10 +65,14 @@ class GatingReport:
     def summary(self) -> str:
         return f"swap-ins gated: {self.gated}/{len(self.gates)} (on {self.compute_device}, host {self.host_device})"
 
+    def ordering(self) -> str:
+        return f"backward branches ordered: {self.edges_kept}/{self.edges_checked} control edges honoured"
+
     def to_dict(self) -> dict:
         """The plan's `verification` field."""
         return {"gated": self.gated, "swap_ins": len(self.gates), "ungated": [g.swap_in for g in self.ungated],
                 "reasons": {g.swap_in: g.reason for g in self.ungated},
+                "control_edges": {"kept": self.edges_kept, "checked": self.edges_checked, "broken": self.edges_broken},
                 "devices": {"compute": self.compute_device, "host": self.host_device},
                 "checked_on": "the partition graphs of one executed step"}
 
@@ -109,6 +118,14 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
             report.gates.append(graph.gate(swap_in, compute_device, scope))
+    for edge in plan.control_edges:
+        before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
+        if before in graph.nodes and after in graph.nodes:
+            report.edges_checked += 1
+            if before in graph.ancestors(after):
+                report.edges_kept += 1
+            else:
+                report.edges_broken.append(f"{edge.after} does not wait for {edge.before}")
     return report
 
 

@@ -44,4 +44,22 @@ def grappler_losses(rewritten) -> list[str]:
             for consumer in swap_in.consumers:
                 if consumer in optimized and swap_in.name not in optimized[consumer].input:
                     lost.append(f"{consumer}: no longer reads {swap_in.name}")
+    lost += [f"{edge.after}: no longer waits for {edge.before}" for edge in rewritten.plan.control_edges
+             if edge.after in optimized and edge.before in optimized
+             and not _waits_for(optimized, edge.after, edge.before)]
     return lost
+
+
+def _waits_for(nodes: dict, after: str, before: str) -> bool:
+    """Whether `after` runs after `before` in `nodes` (a control or data path), which is what the edge
+    ensures: Grappler may drop a control edge that another path already implies."""
+    seen, stack = {after}, [after]
+    while stack:
+        for reference in nodes[stack.pop()].input:
+            source = reference.lstrip("^").split(":")[0]
+            if source == before:
+                return True
+            if source in nodes and source not in seen:
+                seen.add(source)
+                stack.append(source)
+    return False

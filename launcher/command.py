@@ -4,9 +4,12 @@ Nothing here starts a process or reads the environment, so `--dry-run` and the t
 `launcher.spawn` will run. Three shapes of launch:
 
 - one rank on this machine: the worker runs directly, no Horovod launcher (hvd.init() gives size 1);
-- Gloo: `horovodrun --gloo -np N -H host:slots,...`, which starts the ranks (over ssh for other hosts)
-  and gives each its identity through HOROVOD_* variables;
-- MPI: `mpirun -np N -H host:slots,...` with `-x` for every variable the ranks need.
+- Gloo: `horovodrun --gloo -np N -H host:slots,...`, which starts the ranks (over ssh for other hosts),
+  forwards the launcher's whole environment, and gives each rank its identity through HOROVOD_* variables;
+- MPI: `mpirun -np N -H host:slots,...` with `-x` for every variable the ranks need (mpirun forwards
+  nothing else).
+
+Which hosts are this machine is an input (`local_hosts`): the CLI finds out, these functions only use it.
 """
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ from typing import Mapping
 
 from launcher import env as ev
 from launcher.config import DistributedConfig
+from launcher.threads import thread_defaults
 
 LOCAL_HOST = "localhost"
+LOCAL_NAMES = frozenset({LOCAL_HOST, "127.0.0.1"})  # this machine, whatever else it is called
 RENDEZVOUS_PLACEHOLDER = "<chosen by horovodrun at start>"
+REMOTE_THREADS_PLACEHOLDER = "<usable CPUs on {host} / {local_size}: set by the rank at start>"
 _HOST_SLOTS = re.compile(r"^([A-Za-z0-9_.\-\[\]:]+?):(\d+)$")
 
 
@@ -47,6 +53,13 @@ class LaunchSpec:
     env: dict[str, str]
     slots: list[Slot]
     rank_envs: list[dict[str, str]]
+    direct: bool
+    """True when the one rank runs as a plain child of the launcher, with no horovodrun or mpirun."""
+
+    @property
+    def rank0_host(self) -> str:
+        """The host whose rank 0 writes the run directory."""
+        return self.slots[0].host
 
 
 def parse_hosts(hosts: str) -> list[tuple[str, int]]:
@@ -108,8 +121,11 @@ def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[Slot]:
     return slots_out
 
 
-def is_local_only(hosts: list[tuple[str, int]]) -> bool:
-    return all(host in (LOCAL_HOST, "127.0.0.1") for host, _ in hosts)
+def runs_without_launcher(np: int, slots: list[Slot], local_hosts: frozenset[str] = LOCAL_NAMES) -> bool:
+    """The one place that decides the one-rank special case: a single rank on this machine needs no
+    horovodrun or mpirun (hvd.init() then gives size 1). It looks at where the rank is placed, not at
+    the host list, so `np=1 -H localhost:1,node2:1` runs directly: node2 gets no rank."""
+    return np == 1 and slots[0].host in local_hosts
 
 
 def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str]) -> list[str]:
@@ -121,54 +137,100 @@ def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str
     return argv
 
 
-def rank_defaults(user_env: Mapping[str, str], host_cpus: int, ranks_on_host: int) -> dict[str, str]:
-    """Variables every rank gets unless the user set them: ranks sharing a host split its cores
-    (oversubscribed thread pools make 2 ranks on 2 cores several times slower), and quiet TF logs."""
-    threads = str(max(1, host_cpus // max(1, ranks_on_host)))
-    defaults = {
-        ev.TF_CPP_MIN_LOG_LEVEL: "1",
-        ev.TF_NUM_INTRAOP_THREADS: threads,
-        ev.TF_NUM_INTEROP_THREADS: "2",
-        ev.OMP_NUM_THREADS: threads,
-        ev.PYTHONUNBUFFERED: "1",
-    }
+def launcher_env_defaults(user_env: Mapping[str, str]) -> dict[str, str]:
+    """Variables the launcher adds to its own environment, which every rank inherits, unless the user
+    set them: quiet TensorFlow logs, and unbuffered output so rank lines arrive as they are printed.
+    (Thread counts are per host and set by each rank: launcher/threads.py.)"""
+    defaults = {ev.TF_CPP_MIN_LOG_LEVEL: "1", ev.PYTHONUNBUFFERED: "1"}
     return {key: value for key, value in defaults.items() if key not in user_env}
 
 
-def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: list[str],
-                 user_env: Mapping[str, str], host_cpus: int, as_root: bool = False) -> LaunchSpec:
-    """The whole launch as data. `hosts` is already parsed (from -H, a hostfile, or localhost:np)."""
-    slots = assign_slots(hosts, dist.np)
-    ranks_on_first_host = slots[0].local_size
-    added = rank_defaults(user_env, host_cpus, ranks_on_first_host)
-    host_list = ",".join(f"{host}:{n}" for host, n in hosts)
+def ssh_options(dist: DistributedConfig) -> list[str]:
+    """The ssh options of the run's ssh settings, as horovodrun passes them (`-p PORT -i FILE`); used
+    for mpirun's plm_rsh_args and for fetching results back."""
+    options = []
+    if dist.ssh_port is not None:
+        options += ["-p", str(dist.ssh_port)]
+    if dist.ssh_identity_file:
+        options += ["-i", dist.ssh_identity_file]
+    return options
 
-    if dist.np == 1 and is_local_only(hosts):
+
+def mpirun_ssh_args(dist: DistributedConfig) -> str:
+    """Open MPI's plm_rsh_args: the ssh options as one string (as horovodrun builds it), plus
+    ConnectTimeout for --start-timeout: a host that accepts the connection but never answers would
+    otherwise hold mpirun forever (orte_startup_timeout does not cover a hanging ssh; measured)."""
+    options = ssh_options(dist)
+    if dist.start_timeout is not None:
+        options += ["-o", f"ConnectTimeout={dist.start_timeout}"]
+    return " ".join(options)
+
+
+def mpi_forwarded(names: list[str] | set[str]) -> list[str]:
+    """Which of the launcher's variables mpirun must pass on to every rank with -x (launcher/env.py
+    says which and why)."""
+    return sorted(name for name in set(names)
+                  if name != ev.CUDA_VISIBLE_DEVICES
+                  and (name in ev.MPI_FORWARD_NAMES or name.startswith(ev.MPI_FORWARD_PREFIXES)))
+
+
+def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: list[str],
+                 user_env: Mapping[str, str], local_cpus: int, local_hosts: frozenset[str] = LOCAL_NAMES,
+                 as_root: bool = False) -> LaunchSpec:
+    """The whole launch as data. `hosts` is already parsed (from -H, a hostfile, or localhost:np);
+    `local_cpus` only fills in --dry-run's view of ranks on this machine."""
+    slots = assign_slots(hosts, dist.np)
+    added = launcher_env_defaults(user_env)
+    host_list = ",".join(f"{host}:{n}" for host, n in hosts)
+    direct = runs_without_launcher(dist.np, slots, local_hosts)
+
+    if direct:
         argv = list(worker)
     elif dist.backend == "gloo":
         argv = ["horovodrun", "--gloo", "-np", str(dist.np), "-H", host_list]
         if dist.network_interface:
             argv += ["--network-interfaces", dist.network_interface]
-        argv += worker
+        if dist.ssh_port is not None:
+            argv += ["--ssh-port", str(dist.ssh_port)]
+        if dist.ssh_identity_file:
+            argv += ["--ssh-identity-file", dist.ssh_identity_file]
+        if dist.start_timeout is not None:
+            argv += ["--start-timeout", str(dist.start_timeout)]
+        argv += worker  # horovodrun forwards the whole environment to every rank itself
     else:
-        argv = ["mpirun", "-np", str(dist.np), "-H", host_list, "-bind-to", "none", "-map-by", "slot"]
+        # --tag-output marks each line with its rank ([1,N]<stderr>:), as horovodrun does ([N]<stderr>:):
+        # the launcher names a failed rank and shows its last lines from those marks (launcher/spawn.py).
+        argv = ["mpirun", "-np", str(dist.np), "-H", host_list, "-bind-to", "none", "-map-by", "slot", "--tag-output"]
         if as_root:
             argv.append("--allow-run-as-root")  # containers often run as root; Open MPI refuses it otherwise
         if dist.network_interface:
-            argv += ["-mca", "btl_tcp_if_include", dist.network_interface]
-        for key in sorted(added):
+            # btl: the ranks' own traffic; oob: mpirun's control channel to the daemons on each host.
+            argv += ["-mca", "btl_tcp_if_include", dist.network_interface,
+                     "-mca", "oob_tcp_if_include", dist.network_interface]
+        if mpirun_ssh_args(dist):
+            argv += ["-mca", "plm_rsh_args", mpirun_ssh_args(dist)]
+        for key in mpi_forwarded([*user_env, *added]):
             argv += ["-x", key]  # mpirun forwards only the variables named with -x
         argv += worker
 
-    rank_envs = [rank_environment(slot, dist, added) for slot in slots]
-    return LaunchSpec(argv=argv, env=added, slots=slots, rank_envs=rank_envs)
+    rank_envs = [rank_environment(slot, dist, added, direct, user_env, local_cpus, local_hosts) for slot in slots]
+    return LaunchSpec(argv=argv, env=added, slots=slots, rank_envs=rank_envs, direct=direct)
 
 
-def rank_environment(slot: Slot, dist: DistributedConfig, added: Mapping[str, str]) -> dict[str, str]:
-    """What one rank finds in its environment beyond what it inherits: our defaults plus the rank
-    identity its launcher sets (none when a single rank runs without one)."""
+def rank_environment(slot: Slot, dist: DistributedConfig, added: Mapping[str, str], direct: bool,
+                     user_env: Mapping[str, str], local_cpus: int,
+                     local_hosts: frozenset[str] = LOCAL_NAMES) -> dict[str, str]:
+    """What one rank finds in its environment beyond what it inherits: the launcher's defaults, the
+    rank identity its launcher sets (none when it runs without one), and the thread counts it sets
+    itself at start-up (known here for this machine's ranks only)."""
     env = dict(added)
-    if dist.np == 1 and slot.host in (LOCAL_HOST, "127.0.0.1"):
+    threads = thread_defaults(user_env, local_cpus, slot.local_size)
+    if slot.host not in local_hosts:
+        placeholder = REMOTE_THREADS_PLACEHOLDER.format(host=slot.host, local_size=slot.local_size)
+        threads = {key: placeholder if key in (ev.TF_NUM_INTRAOP_THREADS, ev.OMP_NUM_THREADS) else value
+                   for key, value in threads.items()}
+    env.update(threads)
+    if direct:
         return env
     if dist.backend == "gloo":
         env.update({

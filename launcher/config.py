@@ -6,6 +6,7 @@ Checks that span sections live in `Recipe.__post_init__` and name full key paths
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from lms_core.config import LMSConfig, SettingError
@@ -156,7 +157,24 @@ class DistributedConfig:
     """`gloo` (horovodrun --gloo; needs nothing else) or `mpi` (mpirun; Horovod built with MPI)."""
 
     network_interface: str | None = None
-    """Network interface ranks talk over (e.g. `eth0`, `ib0`); empty lets Horovod choose."""
+    """Network interface(s) the ranks talk over, e.g. `eth0` or `ib0,eth0` (horovodrun
+    --network-interfaces; mpirun btl_tcp_if_include and oob_tcp_if_include). The same name must exist
+    on every host. Empty lets Horovod or Open MPI choose."""
+
+    ssh_port: int | None = None
+    """Port of the sshd on every other host, for horovodrun, mpirun and fetching results back.
+    Empty: ssh's own default (22, or your ~/.ssh/config)."""
+
+    ssh_identity_file: str | None = None
+    """Private key for ssh to the other hosts (ssh -i), a path on the launcher's host. Empty: ssh's
+    own defaults (~/.ssh/id_*, ssh-agent, ~/.ssh/config)."""
+
+    start_timeout: int | None = None
+    """Seconds the start may take before the launch is declared failed: horovodrun --start-timeout
+    (its task servers and rendezvous; its own ssh check of each host keeps a fixed 10 s x 5 tries);
+    for mpirun, and for fetching results back, ssh's ConnectTimeout, so a host that does not answer
+    fails the launch instead of holding it. Empty: horovodrun's default (30 s, or HOROVOD_START_TIMEOUT),
+    ssh's own for mpirun, 30 s for the fetch."""
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -164,6 +182,18 @@ class DistributedConfig:
         _one_of("backend", self.backend, BACKENDS)
         if self.hosts and self.hostfile:
             raise SettingError("hosts", "give hosts or hostfile, not both")
+        if self.network_interface is not None and not re.fullmatch(r"[\w.:@-]+(,[\w.:@-]+)*", self.network_interface):
+            raise SettingError("network_interface", f"must be interface names separated by commas, e.g. eth0 or "
+                                                    f"ib0,eth0; got {self.network_interface!r}")
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise SettingError("ssh_port", f"must be a port number 1..65535; got {self.ssh_port}")
+        if self.ssh_identity_file is not None and (not self.ssh_identity_file.strip()
+                                                   or re.search(r"\s", self.ssh_identity_file)):
+            # horovodrun and mpirun both pass ssh options as one space-separated string.
+            raise SettingError("ssh_identity_file", f"must be a path without spaces (horovodrun and mpirun split "
+                                                    f"ssh options at spaces); got {self.ssh_identity_file!r}")
+        if self.start_timeout is not None and self.start_timeout < 1:
+            raise SettingError("start_timeout", f"must be >= 1 second; got {self.start_timeout}")
 
 
 @dataclass
@@ -190,6 +220,34 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints of the training state (weights, optimizer state, step), written by rank 0, and
+    what `lms-launch --resume` continues from. The layout is described in launcher/checkpoint.py."""
+
+    dir: str | None = None
+    """Folder of this run's checkpoints, on rank 0's host (a relative path is taken from the
+    directory lms-launch runs in). Empty: no checkpoints. A new run (without --resume) refuses a
+    folder that already holds checkpoints, so one run never prunes or resumes another's."""
+
+    every_steps: int = 500
+    """Save after every this many steps; a checkpoint is also saved after the last step and when the
+    run is stopped by SIGTERM or Ctrl-C. 0: only those two."""
+
+    keep: int = 3
+    """How many of the newest complete checkpoints to keep; older ones are deleted after each save.
+    0 keeps them all."""
+
+    def __post_init__(self) -> None:
+        if self.dir is not None and not self.dir.strip():
+            raise SettingError("dir", "must be a folder path, or left out for no checkpoints; got an empty string")
+        if self.every_steps < 0:
+            raise SettingError("every_steps", f"must be >= 0 (0: save only after the last step and when stopped); "
+                                              f"got {self.every_steps}")
+        if self.keep < 0:
+            raise SettingError("keep", f"must be >= 0 (0: keep every checkpoint); got {self.keep}")
+
+
+@dataclass
 class Recipe:
     """A whole training run. Precedence: these defaults < the YAML recipe < `--set` and flags."""
 
@@ -199,6 +257,7 @@ class Recipe:
     lms: LMSConfig = field(default_factory=LMSConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if self.logging.skip_steps >= self.train.steps:

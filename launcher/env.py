@@ -2,10 +2,22 @@
 
 # Set for every rank by the launcher (only where the user has not set them already).
 TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"  # 1 hides TensorFlow's INFO lines from every rank
-TF_NUM_INTRAOP_THREADS = "TF_NUM_INTRAOP_THREADS"  # ranks sharing a host split its cores
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # rank output reaches the terminal line by line
+
+# Set by each rank for itself at start-up (launcher/threads.py): the ranks on a host split its cores.
+TF_NUM_INTRAOP_THREADS = "TF_NUM_INTRAOP_THREADS"
 TF_NUM_INTEROP_THREADS = "TF_NUM_INTEROP_THREADS"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
-PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # rank output reaches the terminal line by line
+
+# What `--backend mpi` forwards to every rank with `-x` (mpirun passes on nothing it is not told to):
+# the variables that steer Horovod, TensorFlow, NCCL, OpenMP/MKL, CUDA, XLA and Python, and the
+# program and library search paths, from the launcher's environment. horovodrun (Gloo) forwards the
+# launcher's whole environment itself.
+MPI_FORWARD_PREFIXES = ("HOROVOD_", "TF_", "NCCL_", "OMP_", "KMP_", "MKL_", "CUDA_", "XLA_", "PYTHON")
+MPI_FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH")
+# Never forwarded, as horovodrun never forwards it either: each host's GPUs are its own, and the worker
+# picks one per local rank.
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 # Rank identity that horovodrun (Gloo) gives each rank.
 HOROVOD_RANK = "HOROVOD_RANK"
@@ -26,5 +38,14 @@ OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_COMM_WORLD_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
 OMPI_COMM_WORLD_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
+# Set by a GPU rank with LMS on before TensorFlow starts, unless the user set it (launcher/host_memory.py):
+# TensorFlow's cap on the pinned host memory that swap-outs land in.
+TF_GPU_HOST_MEM_LIMIT_IN_MB = "TF_GPU_HOST_MEM_LIMIT_IN_MB"
+
 # Read by scripts/install.sh: force the CUDA build of TensorFlow on or off.
 LMS_LAUNCH_GPU = "LMS_LAUNCH_GPU"
+
+# Set by `lms-launch bench --judge run` for each probe on a machine without a GPU (launcher/bench/run_judge.py):
+# TensorFlow's CPU allocator is held to the device memory benchmarked, so a step that needs more fails as on a
+# full GPU. (It caps TensorFlow's BFC allocator on the CPU, in MiB; read when TensorFlow starts.)
+TF_CPU_BFC_MEM_LIMIT_IN_MB = "TF_CPU_BFC_MEM_LIMIT_IN_MB"

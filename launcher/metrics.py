@@ -17,6 +17,8 @@ metrics.jsonl fields (one JSON object per rank per interval):
   host_rss_bytes            resident memory of the rank's process at the end of the interval
   loss                      training loss of the interval's last step
   learning_rate             learning rate used at that step
+  end_time_s                when the interval ended (Unix time, seconds): the gaps between intervals,
+                            where the ranks gather these records, can be timed from it
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class IntervalRecord:
     host_rss_bytes: int
     loss: float
     learning_rate: float
+    end_time_s: float
 
 
 class DeviceMemoryMonitor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import keras
 import numpy as np
@@ -18,6 +18,10 @@ import tensorflow as tf
 from launcher.config import Recipe, TrainConfig
 from launcher.metrics import DeviceMemoryMonitor, IntervalRecord, host_rss_bytes
 from launcher.tasks.base import Task
+
+if TYPE_CHECKING:
+    from launcher.checkpoint import Checkpointer
+    from launcher.stop import StopRequest
 
 
 @dataclass
@@ -110,21 +114,33 @@ def broadcast_from_rank0(variables: list) -> None:
     broadcast()
 
 
+def make_mean_across_ranks(variables: list) -> Callable[[], list]:
+    """A collective that returns the ranks' mean of each variable's value, leaving the variables as
+    they are (traced once; call it as often as needed)."""
+    import horovod.tensorflow as hvd
+
+    @tf.function
+    def mean():
+        return hvd.grouped_allreduce([v.value for v in variables], op=hvd.Average)
+
+    return mean
+
+
 def average_across_ranks(variables: list) -> None:
     """Averages non-trained state (batch-norm moving statistics), which each rank updates from its
     own batches, so the final model is the same everywhere."""
-    import horovod.tensorflow as hvd
-
     if not variables:
         return
+    for variable, mean in zip(variables, make_mean_across_ranks(variables)()):
+        variable.assign(mean)
 
-    @tf.function
-    def average():
-        means = hvd.grouped_allreduce([v.value for v in variables], op=hvd.Average)
-        for variable, mean in zip(variables, means):
-            variable.assign(mean)
 
-    average()
+def barrier() -> None:
+    """Returns once every rank has called it (a one-number allreduce)."""
+    import horovod.tensorflow as hvd
+
+    with tf.device("/device:CPU:0"):
+        hvd.allreduce(tf.constant([1], tf.int32), op=hvd.Sum, name="lms_launch_barrier").numpy()
 
 
 def weights_fingerprint(variables: list) -> str:
@@ -135,30 +151,49 @@ def weights_fingerprint(variables: list) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class TrainResult:
+    """What the loop hands back: the interval records, losses, and where and why it ended."""
+
+    records: list[IntervalRecord]
+    initial_loss: float  # loss of the first step this process ran (after a resume: the step after the checkpoint)
+    final_loss: float
+    last_step: int
+    stopped_by: str = ""  # the signal's name when the ranks were asked to stop early; empty when training finished
+
+
 def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
-          optimizer: keras.optimizers.Optimizer, on_interval: Callable[[list[IntervalRecord]], None]
-          ) -> tuple[list[IntervalRecord], float, float]:
-    """Runs `train.steps` steps. The first `logging.skip_steps` are not measured; after them, every
-    `logging.interval` steps (and at the end) one record is made and handed to `on_interval`, which
-    gathers the ranks' records (a collective: every rank calls it the same number of times)."""
+          optimizer: keras.optimizers.Optimizer, on_interval: Callable[[list[IntervalRecord]], None],
+          start_step: int = 0, checkpointer: "Checkpointer | None" = None, stop: "StopRequest | None" = None,
+          ) -> TrainResult:
+    """Runs steps `start_step + 1` to `train.steps`. The first `logging.skip_steps` this process runs
+    are not measured; after them, every `logging.interval` steps (and at the end) one record is made
+    and handed to `on_interval`, which gathers the ranks' records (a collective: every rank calls it
+    the same number of times). After each step the ranks agree whether to stop (`stop`) and save a
+    checkpoint when it is due or they stop (`checkpointer`); both are collectives too."""
     train_cfg, log_cfg = recipe.train, recipe.logging
     batch = train_cfg.batch_size
     voxels = task.voxels_per_sample()
     memory = DeviceMemoryMonitor(ctx.device)
     records: list[IntervalRecord] = []
     initial_loss = final_loss = float("nan")
+    # A resumed rank reads on from where its input was at the checkpoint: the batches of the steps
+    # already trained are drawn and dropped (nothing to do for synthetic data, which repeats one batch).
+    for _ in range(start_step):
+        next(batches)
     interval_start = time.perf_counter()
     interval_steps = 0
 
-    for step_number in range(1, train_cfg.steps + 1):
+    for step_number in range(start_step + 1, train_cfg.steps + 1):
+        done = step_number - start_step
         inputs, labels = next(batches)
         loss = step(inputs, labels)
         interval_steps += 1
-        if step_number == 1:
+        if done == 1:
             initial_loss = float(loss)
-        measuring_starts = step_number == log_cfg.skip_steps
-        interval_ends = step_number > log_cfg.skip_steps and (
-            (step_number - log_cfg.skip_steps) % log_cfg.interval == 0 or step_number == train_cfg.steps)
+        measuring_starts = done == log_cfg.skip_steps
+        interval_ends = done > log_cfg.skip_steps and (
+            (done - log_cfg.skip_steps) % log_cfg.interval == 0 or step_number == train_cfg.steps)
         if measuring_starts or interval_ends:
             final_loss = float(loss)  # fetching the loss waits for the device: the interval ends here
             now = time.perf_counter()
@@ -171,14 +206,26 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
                     voxels_per_sec=rate * voxels if voxels else None,
                     peak_memory_bytes=memory.peak_bytes(), host_rss_bytes=host_rss_bytes(),
                     loss=final_loss, learning_rate=float(current_learning_rate(optimizer)),
+                    end_time_s=time.time(),
                 )
                 records.append(record)
                 on_interval([record])
             memory.reset()
             interval_start = time.perf_counter()
             interval_steps = 0
+        stopping = stop is not None and stop.agreed()
+        if checkpointer is not None and (checkpointer.due(step_number, last_step=step_number == train_cfg.steps)
+                                         or (stopping and checkpointer.enabled)):
+            checkpointer.save(step_number)
+        if stopping:
+            stop.close()
+            if ctx.size > 1:
+                barrier()  # no rank leaves (and makes horovodrun end the others) while rank 0 still writes
+            return TrainResult(records, initial_loss, float(loss), step_number, stop.signal_name)
     final_loss = float(loss)
-    return records, initial_loss, final_loss
+    if stop is not None:
+        stop.close()
+    return TrainResult(records, initial_loss, final_loss, train_cfg.steps)
 
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

@@ -1,4 +1,4 @@
-"""The per-rank process: `python -m launcher.worker RECIPE --run-dir DIR [--set k=v ...]`.
+"""The per-rank process: `python -m launcher.worker RECIPE --run-dir DIR [--set k=v ...] [--resume]`.
 
 Started once per rank by `lms-launch` (directly for one rank, by horovodrun or mpirun for more).
 Each rank resolves the recipe itself; rank 0 alone writes to the run directory.
@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from launcher.recipe import RecipeError, load_recipe  # noqa: E402
+from launcher.threads import apply_thread_defaults, local_rank_from_env  # noqa: E402
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -29,24 +31,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("recipe")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in checkpoint.dir")
     return parser.parse_args(argv)
 
 
-def pin_device(local_rank: int) -> str:
-    """One GPU per rank (by local rank), with memory growth so ranks sharing a GPU in tests do not
-    each reserve it all; CPU when there is no GPU."""
-    import tensorflow as tf
+def cap_pinned_host_memory(lms) -> None:
+    """On a GPU rank, before TensorFlow starts: TensorFlow's cap on the pinned host memory swap-outs
+    land in, set from what this rank's plan may park there (launcher/host_memory.py)."""
+    from launcher.host_memory import set_pinned_limit
+    from launcher.lms_target import gpu_details, host_memory
+    from launcher.threads import local_size_from_env
 
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return "CPU:0"
-    gpu = gpus[local_rank % len(gpus)]
-    tf.config.set_visible_devices(gpu, "GPU")
-    tf.config.experimental.set_memory_growth(gpu, True)
-    return "GPU:0"
+    if gpu_details(local_rank_from_env(os.environ)) is None:
+        return  # no GPU: nothing is pinned
+    line = set_pinned_limit(os.environ, lms, host_memory(lms, local_size_from_env(os.environ))[1])
+    if local_rank_from_env(os.environ) == 0:
+        print(f"lms-launch worker on {socket.gethostname()}: {line}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Until training starts (launcher/stop.py), Ctrl-C ends a rank at once, as SIGTERM does, not
+    # with a KeyboardInterrupt traceback that would read as the rank's own failure.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     args = parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -54,16 +61,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lms-launch worker: {err}", file=sys.stderr)
         return 2
 
+    # Before TensorFlow starts: this rank's share of its own host's cores, said once per host.
+    threads_note = apply_thread_defaults(os.environ)
+    if local_rank_from_env(os.environ) == 0:
+        print(f"lms-launch worker on {socket.gethostname()}: {threads_note}", flush=True)
+    if recipe.lms.enabled:
+        cap_pinned_host_memory(recipe.lms)
+
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    from launcher import metrics, training
-    from launcher.lms_step import prepare_step
+    from launcher import checkpoint, metrics, training
+    from launcher.devices import pin_device
+    from launcher.lms_step import LMSSetupError, prepare_step
+    from launcher.oom import explain_out_of_memory, report_out_of_memory
     from launcher.recipe import recipe_to_dict
+    from launcher.stop import StopRequest
 
     hvd.init()
     ctx = training.RankContext(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
-                               host=socket.gethostname(), device=pin_device(hvd.local_rank()))
+                               host=socket.gethostname(), device=pin_device(hvd.local_rank(), recipe.lms.enabled))
     run_dir = Path(args.run_dir)
     if ctx.rank == 0:
         import yaml
@@ -80,12 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, precision="float32"))
 
     setup = training.build_training(recipe, ctx.size, ctx.device)
+    say = (lambda line: print(f"lms-launch worker: {line}", flush=True)) if is_root else (lambda line: None)
+    try:  # with --resume rank 0 loads the checkpoint here, and the broadcast below shares it
+        start_step = checkpoint.starting_step(recipe.checkpoint, setup.model, setup.optimizer, ctx.rank, ctx.size,
+                                              recipe.train.steps, args.resume, log=say)
+    except checkpoint.CheckpointError as err:
+        if is_root:
+            print(f"lms-launch worker: {err}", file=sys.stderr, flush=True)
+        return 2
     if ctx.size > 1:
         training.broadcast_from_rank0(list(setup.model.variables) + list(setup.optimizer.variables))
     # The one place the traced step is handed to LMS (it comes back unchanged when lms.enabled is false).
-    step = prepare_step(setup.step, setup.specs, recipe.lms, ctx, run_dir, log=print if is_root else None,
-                        local_size=hvd.local_size(),
-                        variables=list(setup.model.variables) + list(setup.optimizer.variables))
+    try:
+        step = prepare_step(setup.step, setup.specs, recipe.lms, ctx, run_dir, log=print if is_root else None,
+                            local_size=hvd.local_size(),
+                            variables=list(setup.model.variables) + list(setup.optimizer.variables))
+    except LMSSetupError as err:  # raised on every rank alike, before any training step
+        if is_root:
+            print(f"lms-launch worker: LMS: {err}", file=sys.stderr, flush=True)
+        return 1
+    except tf.errors.ResourceExhaustedError as err:  # a step run to check or profile the rewrite did not fit
+        return report_out_of_memory(recipe, ctx.rank, ctx.device, err)
 
     sinks: list = []
     if is_root:
@@ -105,9 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:  # the reader names the file, shape or label at fault
         print(f"lms-launch worker (rank {ctx.rank}): data: {err}", file=sys.stderr, flush=True)
         return 1
-    with tf.device(ctx.device):
-        records, initial_loss, final_loss = training.train(step, batches, recipe, ctx, task, setup.optimizer,
-                                                           on_interval)
+    checkpointer = checkpoint.Checkpointer(recipe.checkpoint, model, setup.optimizer, ctx.rank, ctx.size, log=say,
+                                           metadata={"recipe": recipe_to_dict(recipe)})
+    # From here on SIGTERM and Ctrl-C stop every rank after the same step (launcher/stop.py).
+    stop = StopRequest(ctx.size).install()
+    with tf.device(ctx.device), explain_out_of_memory(recipe, ctx.rank, ctx.device):
+        result = training.train(step, batches, recipe, ctx, task, setup.optimizer, on_interval,
+                                start_step=start_step, checkpointer=checkpointer, stop=stop)
+    if result.stopped_by:
+        logger.close()
+        saved = (f"checkpoint {checkpointer.last_saved}; continue with --resume" if checkpointer.last_saved
+                 else "no checkpoint (checkpoint.dir is not set)")
+        say(f"stopped by {result.stopped_by} after step {result.last_step}: {saved}")
+        return stop.exit_status
+    records, initial_loss, final_loss = result.records, result.initial_loss, result.final_loss
 
     # Batch-norm statistics were updated from each rank's own batches: average them so every rank
     # ends with the same model, then fingerprint it.
@@ -119,16 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     everyone = hvd.allgather_object(mine) if ctx.size > 1 else [mine]
     logger.close()
     if is_root:
+        model_file = checkpoint.save_trained_model(model, run_dir)
         extra = {
             "model": recipe.model.name, "input_shape": recipe.model.input_shape,
             "batch_size_per_rank": batch, "global_batch_size": batch * ctx.size, "np": ctx.size,
             "steps": recipe.train.steps, "precision": recipe.train.precision,
             "lms_enabled": recipe.lms.enabled,
+            "model_file": model_file.name, "resumed_from_step": start_step or None,
+            "last_checkpoint": str(checkpointer.last_saved) if checkpointer.last_saved else None,
         }
         summary = metrics.build_summary(everyone, extra)
         tmp = run_dir / (SUMMARY_FILE + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2))
         tmp.replace(run_dir / SUMMARY_FILE)
+    if ctx.size > 1:
+        training.barrier()  # every rank leaves together, once rank 0 has written its files
     return 0
 
 

@@ -23,8 +23,9 @@ wheel_cache=${LMS_LAUNCH_WHEELS:-$HOME/.cache/lms-launch/wheels}
 say() { printf '[install] %s\n' "$*" >&2; }
 
 # --- system packages ------------------------------------------------------------------------------
+# openssh-server, iproute2: tests/test_multihost.py makes hosts from network namespaces, each with an sshd.
 apt_missing=()
-for pkg in cmake g++ make libopenmpi-dev openmpi-bin; do
+for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing+=("$pkg")
 done
 if ((${#apt_missing[@]})); then
@@ -84,15 +85,44 @@ variant="tf$TF_VERSION-gpu$want_gpu-mpi$have_mpi"
 hvd_build_env=(HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1)
 [ "$have_mpi" = 1 ] && hvd_build_env+=(HOROVOD_WITH_MPI=1) || hvd_build_env+=(HOROVOD_WITHOUT_MPI=1)
 [ "$want_gpu" = 1 ] && hvd_build_env+=(HOROVOD_GPU_OPERATIONS=NCCL)
+# Horovod's NCCL build compiles CUDA kernels: it needs the CUDA 12 toolkit's nvcc (TensorFlow 2.18's
+# wheels are CUDA 12.5) and NCCL's header. PyPI cannot stand in: nvidia-cuda-nvcc-cu12 ships ptxas
+# but no nvcc. Checked here, with one clear message, instead of failing deep inside CMake.
+check_nccl_build_tools() {
+  local cuda_home=${HOROVOD_CUDA_HOME:-} nvcc="" release="" dir
+  if [ -n "$cuda_home" ]; then nvcc="$cuda_home/bin/nvcc"
+  elif command -v nvcc >/dev/null 2>&1; then nvcc=$(command -v nvcc)
+  elif [ -x /usr/local/cuda/bin/nvcc ]; then nvcc=/usr/local/cuda/bin/nvcc; fi
+  [ -n "$nvcc" ] && [ -x "$nvcc" ] && release=$("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+  if [ -z "$release" ]; then
+    say "error: building Horovod with NCCL (LMS_LAUNCH_GPU=1) needs the CUDA 12 toolkit's nvcc, and none was" \
+        "found (HOROVOD_CUDA_HOME, PATH, /usr/local/cuda/bin). Install CUDA 12.5 or build docker/Dockerfile.gpu" \
+        "on an nvidia/cuda:12.5.1-cudnn-devel image; PyPI's nvidia-cuda-nvcc-cu12 has no nvcc."
+    exit 1
+  fi
+  if [ "${release%%.*}" != 12 ]; then
+    say "error: $nvcc is CUDA $release, but TensorFlow $TF_VERSION runs on CUDA 12; point HOROVOD_CUDA_HOME at a CUDA 12 toolkit"
+    exit 1
+  fi
+  for dir in "${HOROVOD_NCCL_INCLUDE:-}" "${HOROVOD_NCCL_HOME:+$HOROVOD_NCCL_HOME/include}" \
+             "$(dirname "$(dirname "$nvcc")")/include" /usr/include /usr/local/include; do
+    if [ -n "$dir" ] && [ -f "$dir/nccl.h" ]; then say "NCCL build: nvcc $release ($nvcc), $dir/nccl.h"; return; fi
+  done
+  say "error: building Horovod with NCCL needs nccl.h: install libnccl-dev (NVIDIA's CUDA apt repository) or set HOROVOD_NCCL_HOME"
+  exit 1
+}
 if [ "$(installed_version horovod)" != "$HOROVOD_VERSION" ] || \
    ! "$py" -c 'import horovod.tensorflow' >/dev/null 2>&1; then
   mkdir -p "$wheel_cache/$variant"
   if ! ls "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1; then
+    [ "$want_gpu" = 1 ] && check_nccl_build_tools
     say "building Horovod $HOROVOD_VERSION from source ($variant; about 3-5 minutes on 2 cores)"
     # Horovod's setup.py imports TensorFlow to find its headers: no build isolation. --no-cache-dir:
     # pip's own wheel cache is keyed by the sdist alone and would hand a CPU build to a GPU install;
     # the variant-keyed cache above is the one that may reuse a build.
-    "${pip[@]}" cmake packaging cffi psutil cloudpickle pyyaml
+    # cmake<4: CMake 4 refuses the cmake_minimum_required(<3.5) of Horovod's bundled gloo, and the
+    # venv's cmake is the one used whenever .venv/bin comes first on PATH (activated venv, Docker images).
+    "${pip[@]}" "cmake>=3.13,<4" packaging cffi psutil cloudpickle pyyaml
     env "${hvd_build_env[@]}" MAKEFLAGS="-j$(nproc)" "$py" -m pip wheel -q --no-deps --no-cache-dir \
       --no-build-isolation --no-binary horovod "horovod==$HOROVOD_VERSION" -w "$wheel_cache/$variant"
   fi

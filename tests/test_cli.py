@@ -32,6 +32,9 @@ def no_spawn(monkeypatch):
     (["-H", "node1"], "distributed.hosts: 'node1' is not host:slots"),
     (["--hostfile", "/nonexistent/hosts"], "distributed.hostfile: /nonexistent/hosts does not exist"),
     (["--backend", "nccl"], "argument --backend: invalid choice"),
+    (["--ssh-port", "0"], "distributed.ssh_port: must be a port number 1..65535; got 0"),
+    (["--start-timeout", "0"], "distributed.start_timeout: must be >= 1 second; got 0"),
+    (["--ssh-identity-file", "/nonexistent/key"], "distributed.ssh_identity_file: /nonexistent/key is not a file"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_input_exits_2_names_the_problem_and_leaves_nothing(tmp_path, capsys, no_spawn, args, message):
@@ -78,7 +81,20 @@ def test_dry_run_prints_recipe_command_and_rank_environments_and_starts_nothing(
 def test_flags_override_the_recipe_and_set(capsys, no_spawn):
     cli.main([str(RECIPES / "resnet50-cpu.yaml"), "--set", "distributed.np=4", "--np", "1", "--dry-run"])
     out = capsys.readouterr().out
-    assert "np: 1" in out and "(none: no launcher)" in out
+    assert "np: 1" in out and "(local rank 0, no launcher)" in out
+
+
+def test_ssh_and_network_flags_beat_set_and_reach_the_command(tmp_path, capsys, no_spawn):
+    key = tmp_path / "id_test"
+    key.write_text("not read by a dry run")
+    cli.main([str(RECIPES / "resnet50-cpu.yaml"), "-H", "node1:1,node2:1", "--set", "distributed.ssh_port=2200",
+              "--set", "distributed.start_timeout=5", "--ssh-port", "2222", "--ssh-identity-file", str(key),
+              "--network-interface", "ib0", "--start-timeout", "60", "--dry-run"])
+    out = capsys.readouterr().out
+    command = out.split("# command\n")[1].splitlines()[0]
+    assert (f"-H node1:1,node2:1 --network-interfaces ib0 --ssh-port 2222 --ssh-identity-file {key} "
+            f"--start-timeout 60 ") in command
+    assert "ssh_port: 2222" in out and "start_timeout: 60" in out  # the resolved recipe says the same
 
 
 def test_the_installed_command_exits_2_on_a_bad_recipe(tmp_path):

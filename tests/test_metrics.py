@@ -12,7 +12,7 @@ from launcher.metrics import (IntervalRecord, JsonlSink, build_summary, format_b
 def record(rank=0, step=10, steps=5, step_time_s=0.5, samples_per_sec=16.0, peak=1000, rss=2000, voxels=None):
     return IntervalRecord(rank=rank, host="h", device="CPU:0", step=step, steps=steps, step_time_s=step_time_s,
                           samples_per_sec=samples_per_sec, voxels_per_sec=voxels, peak_memory_bytes=peak,
-                          host_rss_bytes=rss, loss=1.0, learning_rate=0.1)
+                          host_rss_bytes=rss, loss=1.0, learning_rate=0.1, end_time_s=1.7e9 + step)
 
 
 def test_rank_throughput_is_total_samples_over_total_time_not_a_mean_of_rates():

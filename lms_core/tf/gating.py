@@ -122,7 +122,7 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
         before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
         if before in graph.nodes and after in graph.nodes:
             report.edges_checked += 1
-            if before in graph.ancestors(after):
+            if graph.depends_on(after, before):
                 report.edges_kept += 1
             else:
                 report.edges_broken.append(f"{edge.after} does not wait for {edge.before}")
@@ -135,6 +135,11 @@ class PartitionedGraph:
     def __init__(self, partitions: list[graph_pb2.GraphDef]):
         self.nodes = {node.name: node for partition in partitions for node in partition.node}
         self.sends = {_edge(node): node.name for node in self.nodes.values() if node.op == SEND}
+        self.readers: dict[str, list] = {}  # op -> the nodes whose data inputs read its outputs
+        for node in self.nodes.values():
+            for reference in node.input:
+                if not reference.startswith("^"):
+                    self.readers.setdefault(_op_name(reference), []).append(node)
         self.recvs_of: dict[str, list[str]] = {}  # op -> the _Recvs that deliver its value elsewhere
         for node in self.nodes.values():
             if node.op == RECV and _edge(node) in self.sends:
@@ -175,15 +180,14 @@ class PartitionedGraph:
             if not _same_device(self.nodes[each].device, compute_device):
                 return verdict(False, f"{each} brings the value to {self.nodes[each].device}, not to the compute device",
                                recv)
-            if trigger not in self.ancestors(each):
+            if not self.depends_on(each, trigger):
                 return verdict(False, f"{each} does not depend on the trigger: the copy back can happen any time "
                                       f"after the swap-out", recv)
         return verdict(True, recv=recv)
 
     def readers_of(self, name: str) -> list:
         """The ops whose data inputs include `name`'s outputs (in its own partition)."""
-        return [node for node in self.nodes.values()
-                if any(not i.startswith("^") and _op_name(i) == name for i in node.input)]
+        return list({id(n): n for n in self.readers.get(name, [])}.values())  # each once, in order
 
     def delivering_recv(self, swap_in: str, compute_device: str) -> str | None:
         """The `_Recv` through which the swap-in's value reaches the compute device: the one its own
@@ -205,8 +209,9 @@ class PartitionedGraph:
             node = source
         return node.name
 
-    def ancestors(self, name: str) -> set[str]:
-        """Every op that must have run before `name` can complete, across devices."""
+    def ancestors(self, name: str, stop_at: str | None = None) -> set[str]:
+        """Every op that must have run before `name` can complete, across devices (nearest first; the
+        walk ends early once it reaches `stop_at`)."""
         seen: set[str] = set()
         queue = deque([name])
         while queue:
@@ -217,8 +222,15 @@ class PartitionedGraph:
             for source in sources:
                 if source not in seen and source in self.nodes:
                     seen.add(source)
+                    if source == stop_at:
+                        return seen
                     queue.append(source)
         return seen
+
+    def depends_on(self, name: str, ancestor: str) -> bool:
+        """Whether `ancestor` must have run before `name` can complete. A gated swap-in's trigger is a
+        few hops up from its _Recv, so the walk is short where the answer is yes."""
+        return ancestor in self.ancestors(name, stop_at=ancestor)
 
 
 def _same_device(placed: str, device: str) -> bool:

@@ -39,11 +39,12 @@ class Target:
 class Planning:
     """A plan and what stands behind it."""
 
-    graph: Graph  # the analysed IR the plan was made on
+    graph: Graph  # the analysed IR the plan was made on (with the backward order, if one was imposed)
     plan: Plan
     tuning: TuningResult | None = None  # when the tuner chose the settings
     simulation: SimulationResult | None = None  # the prediction for the plan, when planned for a target
     costs: dict[str, float] | None = None  # seconds per op the simulation used, when planned for a target
+    traced: Graph | None = None  # the step's IR as traced, without the order: what runs without LMS
 
 
 def tunes(config: LMSConfig, target: Target | None) -> bool:
@@ -57,12 +58,12 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     step's batch placeholders, which are swap candidates like forward activations. With
     `lms.serialize_branches` the backward branches are ordered first (lms_core.serialize) and the
     swaps are planned, and simulated, on the ordered graph, which `Planning.graph` then is."""
-    edges: list[ControlEdge] = []
+    traced, edges = graph, []
     if config.serialize_branches:
         edges = order_edges(graph, max(1, config.min_tensor_bytes))
         graph = with_control_edges(graph, edges)
     planning = _plan(graph, config, compute_device, data_inputs, target)
-    planning.plan.control_edges = edges
+    planning.plan.control_edges, planning.traced = edges, traced
     return planning
 
 

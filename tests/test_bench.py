@@ -22,6 +22,7 @@ from launcher.bench.steps import StepSource
 from launcher.recipe import load_recipe
 from lms_core.graph import Graph, Op, TensorInfo
 from tests.conftest import RECIPES
+from tests.lms_models import conv_relu_step
 
 MIB = 2**20
 TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.depth=2", "--set", "model.base_filters=4"]
@@ -143,34 +144,13 @@ def test_the_floor_is_the_largest_working_set_without_the_weights():
 
 # --- TensorFlow's own swapping -------------------------------------------------------------------------
 
-def six_conv_step(batch: int):
-    """A 6-layer conv net's training step, traced: 64x64 inputs, 32 filters, every ReLU output kept
-    for the backward pass."""
-    inputs = keras.Input((64, 64, 3))
-    x = inputs
-    for _ in range(6):
-        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def step(images, labels):
-        with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    concrete = step.get_concrete_function(tf.TensorSpec([batch, 64, 64, 3]), tf.TensorSpec([batch], tf.int32))
-    return concrete, (model, optimizer)  # the trace holds its variables weakly: they must stay alive
-
-
 def test_grappler_swapping_swaps_when_its_estimate_exceeds_the_device_and_not_otherwise():
     from lms_core.tf.estimate import estimate_peak
     from lms_core.tf.grappler_swapping import estimate_with_swapping
 
-    concrete, _alive = six_conv_step(batch=64)
+    # A 6-layer conv net, 64x64 inputs, 32 filters: every ReLU output is kept for the backward pass.
+    step, specs = conv_relu_step((64, 64, 3), batch=64, blocks=6, filters=32, classes=10)
+    concrete = step.get_concrete_function(*specs)  # `step` keeps the model, whose variables the trace reads
     graph_def = concrete.graph.as_graph_def()
     unswapped = estimate_peak(graph_def, concrete, 200 * MIB)
     # 64 x 64 x 64 x 32 floats: each ReLU output is 32 MiB, and the unswapped step needs more than 200 MiB.

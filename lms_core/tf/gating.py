@@ -65,9 +65,6 @@ class GatingReport:
     def summary(self) -> str:
         return f"swap-ins gated: {self.gated}/{len(self.gates)} (on {self.compute_device}, host {self.host_device})"
 
-    def ordering(self) -> str:
-        return f"backward branches ordered: {self.edges_kept}/{self.edges_checked} control edges honoured"
-
     def to_dict(self) -> dict:
         """The plan's `verification` field."""
         return {"gated": self.gated, "swap_ins": len(self.gates), "ungated": [g.swap_in for g in self.ungated],

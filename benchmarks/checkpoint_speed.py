@@ -27,10 +27,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from launcher import checkpoint as ck
+    from launcher.rank import checkpoint as ck
     from launcher.config import CheckpointConfig
     from launcher.recipe import load_recipe
-    from launcher.training import build_training
+    from launcher.rank.training import build_training
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="lms-checkpoint-speed-"))
     print(f"folder {root}; median of {args.repeats}; {os.cpu_count()} CPU(s)")

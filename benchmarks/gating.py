@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
-    from launcher.devices import HOST_DEVICE, split_cpu
+    from launcher.rank.devices import HOST_DEVICE, split_cpu
 
     split_cpu()
     import numpy as np

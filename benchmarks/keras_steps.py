@@ -20,7 +20,7 @@ def unet3d_step(size: int):
     import keras
     import tensorflow as tf
 
-    from launcher.tasks.unet3d import unet3d
+    from launcher.rank.tasks.unet3d import unet3d
 
     keras.utils.set_random_seed(0)
     model = unet3d([size, size, size, 4], classes=4, depth=4, base_filters=32)

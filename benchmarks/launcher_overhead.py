@@ -93,7 +93,7 @@ def main() -> int:
         print(bare_loop(args.steps, args.batch, args.size))
         return 0
 
-    from launcher.threads import thread_defaults, usable_cpus
+    from launcher.launch.threads import thread_defaults, usable_cpus
 
     # Both sides get the thread settings a lone rank gives itself, and the same allocator.
     env = dict(os.environ)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.command import (HostsError, LaunchSpec, build_launch, parse_hostfile, parse_hosts, ssh_options,
+from launcher.launch.command import (HostsError, LaunchSpec, build_launch, parse_hostfile, parse_hosts, ssh_options,
                               worker_argv)
 from launcher.config import Recipe
 from launcher.recipe import RecipeError, load_recipe, recipe_to_dict
@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # subcommands that load TensorFlow: no INFO noise
     try:
         if argv and argv[0] == "plan":
-            from launcher.plan_command import main as plan_main
+            from launcher.lms.plan_command import main as plan_main
 
             return plan_main(argv[1:])
         if argv and argv[0] == "tfrecord":
-            from launcher.data.convert import main as tfrecord_main
+            from launcher.rank.data.convert import main as tfrecord_main
 
             return tfrecord_main(argv[1:])
         if argv and argv[0] == "bench":
@@ -165,7 +165,7 @@ def check_checkpoint_dir(recipe: Recipe, resume: bool) -> None:
     """--resume needs a complete checkpoint in checkpoint.dir, and a new run must not write among
     another run's. Checked before anything starts when rank 0, which reads and writes that folder,
     runs on this host (a relative path means the same here as for rank 0); rank 0 checks again."""
-    from launcher.checkpoint import CheckpointError, check_folder
+    from launcher.rank.checkpoint import CheckpointError, check_folder
 
     try:
         check_folder(recipe.checkpoint, resume)
@@ -191,8 +191,8 @@ def train_main(argv: list[str]) -> int:
             raise UsageError("--resume needs checkpoint.dir: the folder the run to continue saved its checkpoints in "
                              "(in the recipe, or --set checkpoint.dir=DIR)")
         worker.append("--resume")
-    from launcher.remote import local_host_names
-    from launcher.threads import usable_cpus
+    from launcher.launch.remote import local_host_names
+    from launcher.launch.threads import usable_cpus
 
     local_hosts = local_host_names([host for host, _ in hosts])
     spec = build_launch(recipe.distributed, hosts, worker, user_env=os.environ, local_cpus=usable_cpus(),
@@ -209,8 +209,8 @@ def train_main(argv: list[str]) -> int:
     if spec.rank0_host in local_hosts:
         check_checkpoint_dir(recipe, args.resume)
 
-    from launcher.spawn import STOPPED_STATUSES, run_ranks
-    from launcher.worker import METRICS_FILE, SUMMARY_FILE
+    from launcher.launch.spawn import STOPPED_STATUSES, run_ranks
+    from launcher.rank.worker import METRICS_FILE, SUMMARY_FILE
 
     run_dir.mkdir(parents=True, exist_ok=True)
     rank0_here = spec.rank0_host in local_hosts
@@ -239,7 +239,7 @@ def train_main(argv: list[str]) -> int:
     if not summary_path.exists():
         print(f"lms-launch: ranks finished but {summary_path} was not written", file=sys.stderr)
         return 1
-    from launcher.metrics import format_summary_table
+    from launcher.rank.metrics import format_summary_table
 
     print(format_summary_table(json.loads(summary_path.read_text())))
     print(f"lms-launch: metrics in {run_dir / METRICS_FILE}, summary in {summary_path}")
@@ -250,7 +250,7 @@ def fetch_results(recipe: Recipe, host: str, run_dir: Path, after_failure: bool 
     """Brings rank 0's run directory from `host` into `run_dir` (which the launcher made empty) unless
     rank 0 already wrote into it here (a shared filesystem). False, with the reason printed, when it
     cannot; after a failed run that is expected when rank 0 never got to write anything."""
-    from launcher.remote import DEFAULT_CONNECT_TIMEOUT_S, FetchError, fetch_run_dir
+    from launcher.launch.remote import DEFAULT_CONNECT_TIMEOUT_S, FetchError, fetch_run_dir
 
     if any(run_dir.iterdir()):
         return True

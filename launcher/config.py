@@ -222,7 +222,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     """Checkpoints of the training state (weights, optimizer state, step), written by rank 0, and
-    what `lms-launch --resume` continues from. The layout is described in launcher/checkpoint.py."""
+    what `lms-launch --resume` continues from. The layout is described in launcher/rank/checkpoint.py."""
 
     dir: str | None = None
     """Folder of this run's checkpoints, on rank 0's host (a relative path is taken from the

@@ -4,7 +4,7 @@
 TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"  # 1 hides TensorFlow's INFO lines from every rank
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # rank output reaches the terminal line by line
 
-# Set by each rank for itself at start-up (launcher/threads.py): the ranks on a host split its cores.
+# Set by each rank for itself at start-up (launcher/launch/threads.py): the ranks on a host split its cores.
 TF_NUM_INTRAOP_THREADS = "TF_NUM_INTRAOP_THREADS"
 TF_NUM_INTEROP_THREADS = "TF_NUM_INTEROP_THREADS"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -38,7 +38,7 @@ OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_COMM_WORLD_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
 OMPI_COMM_WORLD_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 
-# Set by a GPU rank with LMS on before TensorFlow starts, unless the user set it (launcher/host_memory.py):
+# Set by a GPU rank with LMS on before TensorFlow starts, unless the user set it (launcher/lms/host_memory.py):
 # TensorFlow's cap on the pinned host memory that swap-outs land in.
 TF_GPU_HOST_MEM_LIMIT_IN_MB = "TF_GPU_HOST_MEM_LIMIT_IN_MB"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-# As in launcher.worker: CPU allocator statistics (peak memory) exist only with the BFC allocator,
+# As in launcher.rank.worker: CPU allocator statistics (peak memory) exist only with the BFC allocator,
 # and TensorFlow reads this once, when the first test imports it.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
@@ -19,7 +19,7 @@ COMPUTE, HOST = "/device:CPU:1", "/device:CPU:0"
 
 
 def pytest_configure(config):
-    from launcher.devices import split_cpu
+    from launcher.rank.devices import split_cpu
 
     split_cpu()
 RECIPES = REPO / "recipes"

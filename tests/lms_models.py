@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from launcher.tasks.unet3d import unet3d
+from launcher.rank.tasks.unet3d import unet3d
 
 
 def resnet50() -> tuple[keras.Model, tuple]:

@@ -180,7 +180,7 @@ def bench(tmp_path: Path, *args: str) -> Path:
 
 def grappler_fits(recipe_args: list[str], batch: int, memory: int) -> bool:
     """An independent judgement: the worker's own step at `batch`, estimated by Grappler directly."""
-    from launcher.training import build_training
+    from launcher.rank.training import build_training
     from lms_core.tf.estimate import estimate_peak
 
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml", [*recipe_args[1::2], f"train.batch_size={batch}"])

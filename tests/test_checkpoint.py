@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from launcher import checkpoint as ck
+from launcher.rank import checkpoint as ck
 from launcher.config import CheckpointConfig
 from launcher.recipe import RecipeError, load_recipe
 from tests.conftest import REPO, RECIPES, lms_launch_argv
@@ -96,7 +96,7 @@ def test_a_save_that_fails_before_its_manifest_leaves_nothing_that_loads(tmp_pat
 KILLED_SAVER = textwrap.dedent("""
     import sys
     import numpy as np
-    from launcher.checkpoint import write_checkpoint
+    from launcher.rank.checkpoint import write_checkpoint
 
     directory = sys.argv[1]
     write_checkpoint(directory, 1, [("w", np.arange(10, dtype=np.float32))])
@@ -299,7 +299,7 @@ def launch(run_dir, *args: str) -> subprocess.CompletedProcess:
 
 
 def model_fingerprint(model) -> str:
-    from launcher.training import weights_fingerprint
+    from launcher.rank.training import weights_fingerprint
 
     return weights_fingerprint(model.variables)
 

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from launcher import cli, spawn
+from launcher import cli
+from launcher.launch import spawn
 from tests.conftest import RECIPES, lms_launch_argv
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.command import (RENDEZVOUS_PLACEHOLDER, HostsError, Slot, assign_slots, build_launch, mpi_forwarded,
+from launcher.launch.command import (RENDEZVOUS_PLACEHOLDER, HostsError, Slot, assign_slots, build_launch, mpi_forwarded,
                               parse_hostfile, parse_hosts, runs_without_launcher, ssh_options, worker_argv)
 from launcher.config import DistributedConfig
-from launcher.threads import local_rank_from_env, local_size_from_env, thread_defaults
+from launcher.launch.threads import local_rank_from_env, local_size_from_env, thread_defaults
 from lms_core.config import SettingError
 
 WORKER = worker_argv("/venv/bin/python", "/r/resnet.yaml", "/runs/x", ["train.steps=5"])
@@ -24,7 +24,7 @@ def launch(np, hosts, backend="gloo", cpus=16, user_env=None, as_root=False, loc
 
 
 def test_worker_command_passes_the_recipe_and_overrides_not_a_file_written_by_the_launcher():
-    assert WORKER == ["/venv/bin/python", "-m", "launcher.worker", "/r/resnet.yaml", "--run-dir", "/runs/x",
+    assert WORKER == ["/venv/bin/python", "-m", "launcher.rank.worker", "/r/resnet.yaml", "--run-dir", "/runs/x",
                       "--set", "train.steps=5"]
 
 

@@ -3,7 +3,7 @@
 For each, with real ranks: the launcher's exit status, what it prints (which rank, how, its last
 lines; the LMS settings to try), how long it takes to end after the event, and that no process of
 the run is left. Rank processes are found the way a user would find them (`ps`: their argv names
-launcher.worker and the run directory; their environment their rank), and killed from outside.
+launcher.rank.worker and the run directory; their environment their rank), and killed from outside.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launcher import checkpoint as ck
-from launcher import spawn
-from launcher.oom import OUT_OF_MEMORY_STATUS, explain_out_of_memory, out_of_memory_advice
+from launcher.rank import checkpoint as ck
+from launcher.launch import spawn
+from launcher.rank.oom import OUT_OF_MEMORY_STATUS, explain_out_of_memory, out_of_memory_advice
 from launcher.recipe import load_recipe
 from tests.conftest import RECIPES, lms_launch_argv
 
@@ -79,7 +79,7 @@ def rank_process(run_dir: Path, rank: int) -> psutil.Process:
             argv, environ = process.cmdline(), process.environ()
         except psutil.Error:
             continue
-        if "launcher.worker" in argv and argv[argv.index("launcher.worker") - 1] == "-m" and \
+        if "launcher.rank.worker" in argv and argv[argv.index("launcher.rank.worker") - 1] == "-m" and \
                 (environ.get("HOROVOD_RANK") or environ.get("OMPI_COMM_WORLD_RANK") or "0") == str(rank):
             return process
     raise AssertionError(f"no process of rank {rank} for {run_dir}")
@@ -166,10 +166,10 @@ def test_a_rank_that_fails_mid_training_is_named_with_the_end_of_its_error(tmp_p
 STANDIN_LAUNCHER = textwrap.dedent("""
     # Stands in for a launch command that does not notice a rank's end (as over a network that
     # drops a host silently): two "ranks" under it, rank 1 ends after a second, rank 0 would wait
-    # for it for ten minutes. Their argv names launcher.worker, as real ranks' does.
+    # for it for ten minutes. Their argv names launcher.rank.worker, as real ranks' does.
     import os, subprocess, sys
     ranks = [subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(float(sys.argv[1]))",
-                               seconds, "-m", "launcher.worker", sys.argv[1]],
+                               seconds, "-m", "launcher.rank.worker", sys.argv[1]],
                               env={**os.environ, "HOROVOD_RANK": str(rank)})
              for rank, seconds in ((0, "600"), (1, "1"))]
     print("[1]<stderr>:rank 1 lost its host", flush=True)
@@ -202,7 +202,7 @@ STUBBORN_LAUNCHER = textwrap.dedent("""
     # two "ranks" that ignore SIGTERM.
     import os, subprocess, sys
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    ranks = [subprocess.Popen([sys.executable, "-c", code, "-m", "launcher.worker", sys.argv[1]],
+    ranks = [subprocess.Popen([sys.executable, "-c", code, "-m", "launcher.rank.worker", sys.argv[1]],
                               env={**os.environ, "HOROVOD_RANK": str(rank)}) for rank in (0, 1)]
     sys.exit(max(rank.wait() for rank in ranks))
 """)

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_a_rank_is_pinned_to_one_gpu_with_memory_growth():
-    from launcher.devices import pin_device
+    from launcher.rank.devices import pin_device
 
     gpus = tf.config.list_physical_devices("GPU")
     assert pin_device(local_rank=len(gpus) + 1) == "GPU:0"  # wraps around when ranks outnumber GPUs
@@ -20,7 +20,7 @@ def test_a_rank_is_pinned_to_one_gpu_with_memory_growth():
 
 
 def test_gpu_peak_memory_is_measured_and_reset():
-    from launcher.metrics import DeviceMemoryMonitor
+    from launcher.rank.metrics import DeviceMemoryMonitor
 
     monitor = DeviceMemoryMonitor("GPU:0")
     in_use = tf.config.experimental.get_memory_info("GPU:0")["current"]

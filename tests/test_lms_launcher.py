@@ -1,4 +1,4 @@
-"""What a rank does with LMS before it trains (launcher.lms_step.prepare_step), in this process:
+"""What a rank does with LMS before it trains (launcher.lms.step.prepare_step), in this process:
 plan, verify on the partition graphs TensorFlow executes, write and log the plan, and refuse to
 train when a swap-in is not gated or the host cannot hold what the plans park there."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 
 from launcher import env as ev
-from launcher.host_memory import (HEADROOM, HEADROOM_BYTES, MIB, host_problems, pinned_limit_mb, pinned_limit_problem,
+from launcher.lms.host_memory import (HEADROOM, HEADROOM_BYTES, MIB, host_problems, pinned_limit_mb, pinned_limit_problem,
                                   set_pinned_limit)
-from launcher.lms_step import LMSSetupError, plan_problems, prepare_step
+from launcher.lms.step import LMSSetupError, plan_problems, prepare_step
 from launcher.recipe import load_recipe
-from launcher.training import RankContext, build_training
+from launcher.rank.training import RankContext, build_training
 from lms_core.config import LMSConfig
 from tests.conftest import RECIPES
 

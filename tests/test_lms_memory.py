@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from launcher import plan_command
+from launcher.lms import plan_command
 from tests.conftest import RECIPES
 
 GIB = 2**30

@@ -91,7 +91,7 @@ def test_a_rank_replans_with_measured_op_times():
     import dataclasses
 
     import lms_core.tf as lms_tf
-    from launcher.lms_step import measure_op_times
+    from launcher.lms.step import measure_op_times
     from lms_core.config import LMSConfig
     from lms_core.link import NAMED_LINKS
     from tests.lms_models import small_unet3d, training_step

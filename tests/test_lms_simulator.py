@@ -138,7 +138,7 @@ def test_an_infinite_link_is_the_limit_of_ever_faster_links(sync_mode):
 def unet3d_paper(size: int):
     """The paper recipe's 3D U-Net (depth 4, 32 base filters, 4 channels and classes) at size^3."""
     def build():
-        from launcher.tasks.unet3d import unet3d
+        from launcher.rank.tasks.unet3d import unet3d
 
         return (unet3d([size, size, size, 4], classes=4, depth=4, base_filters=32),
                 ((1, size, size, size, 4), (1, size, size, size)))

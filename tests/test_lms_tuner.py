@@ -75,7 +75,7 @@ def test_the_host_budget_is_respected():
 
 
 def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
-    from launcher import plan_command
+    from launcher.lms import plan_command
     from tests.conftest import RECIPES
 
     args = [str(RECIPES / "unet3d-cpu.yaml"), "--set", "lms.mode=auto", "--set", "lms.min_tensor_bytes=0",
@@ -105,7 +105,7 @@ def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
     (["--set", "lms.profile_steps=0"], "lms.profile_steps: must be >= 1"),
 ])
 def test_bad_targets_exit_2_naming_the_key(tmp_path, capsys, args, message):
-    from launcher import plan_command
+    from launcher.lms import plan_command
     from tests.conftest import RECIPES
 
     assert plan_command.main([str(RECIPES / "unet3d-cpu.yaml"), "--out", str(tmp_path / "out"), *args]) == 2
@@ -118,7 +118,7 @@ def test_named_links_are_distinct_enough_to_matter():
 
 
 def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_for():
-    from launcher.lms_target import device_profile
+    from launcher.lms.target import device_profile
     from launcher.recipe import load_recipe
     from tests.conftest import RECIPES
 
@@ -140,7 +140,7 @@ def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_fo
 
 
 def test_a_cpu_rank_asked_to_measure_its_link_falls_back_and_says_why():
-    from launcher.lms_target import rank_target
+    from launcher.lms.target import rank_target
 
     lms = LMSConfig(enabled=True, link="auto", link_fallback="pcie4", measure_link=True)
     target, lines = rank_target(lms, rank=0, local_rank=0, local_size=2, on_gpu=False)
@@ -156,9 +156,9 @@ def test_the_tuner_survives_plans_whose_trigger_runs_before_the_tensor_is_on_the
     swap-in needs the data). The simulator waits too instead of failing: this tuning of the CPU
     U-Net recipe at batch 8 raised a KeyError in the simulator before."""
     import lms_core.tf as lms_tf
-    from launcher.lms_target import rank_target
+    from launcher.lms.target import rank_target
     from launcher.recipe import load_recipe
-    from launcher.training import build_training
+    from launcher.rank.training import build_training
     from tests.conftest import RECIPES
 
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml", ["train.batch_size=8"])

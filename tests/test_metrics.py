@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launcher.metrics import (IntervalRecord, JsonlSink, build_summary, format_bytes, format_summary_table,
+from launcher.rank.metrics import (IntervalRecord, JsonlSink, build_summary, format_bytes, format_summary_table,
                               summarize_rank)
 
 
@@ -67,7 +67,7 @@ def test_format_bytes(n, text):
 def test_cpu_peak_memory_is_real_and_reset_each_interval():
     import tensorflow as tf  # tests/conftest.py set TF_CPU_ALLOCATOR_USE_BFC=true before this
 
-    from launcher.metrics import DeviceMemoryMonitor
+    from launcher.rank.metrics import DeviceMemoryMonitor
 
     monitor = DeviceMemoryMonitor("CPU:0")
     # Earlier tests in this process may hold memory: measure relative to what is in use now.

@@ -137,7 +137,7 @@ def test_from_a_login_node_the_run_directory_comes_back(cluster, tmp_path, backe
 @pytest.mark.parametrize("with_key, reason", [(True, "No such file or directory"), (False, "Permission denied")])
 def test_a_fetch_that_fails_names_the_host_and_the_reason(cluster, tmp_path, with_key, reason):
     options = ["-p", str(SSH_PORT), *(["-i", str(cluster.key)] if with_key else [])]
-    code = ("import sys; from pathlib import Path; from launcher.remote import FetchError, fetch_run_dir\n"
+    code = ("import sys; from pathlib import Path; from launcher.launch.remote import FetchError, fetch_run_dir\n"
             f"try: fetch_run_dir('node1', '/no/such/run', Path({str(tmp_path / 'here')!r}), {options!r}, 10)\n"
             "except FetchError as err: print(err); sys.exit(3)\n")
     done = subprocess.run(cluster.on("login", [sys.executable, "-c", code], cwd=str(REPO)),

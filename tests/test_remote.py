@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from launcher.remote import is_this_host, local_addresses, local_host_names, ssh_argv
+from launcher.launch.remote import is_this_host, local_addresses, local_host_names, ssh_argv
 
 
 def test_loopback_names_and_this_machines_own_addresses_are_this_host():

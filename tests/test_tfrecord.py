@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from launcher.data import convert, tfrecord
-from launcher.data.tfrecord import read_dataset, write_records
+from launcher.rank.data import convert, tfrecord
+from launcher.rank.data.tfrecord import read_dataset, write_records
 
 tf = pytest.importorskip("tensorflow")
 

@@ -140,7 +140,7 @@ class BenchSetup:
 def resolve(args: argparse.Namespace, argv: list[str]) -> BenchSetup:
     """Checks every input and works out the defaults; raises BenchUsageError, RecipeError or
     SettingError naming what to change."""
-    from launcher.lms_target import gpu_details
+    from launcher.lms.target import gpu_details
     from lms_core.costs import PROFILES
     from lms_core.link import link_named
 
@@ -265,7 +265,7 @@ def machine() -> str:
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    from launcher.lms_target import gpu_details
+    from launcher.lms.target import gpu_details
 
     gpu = gpu_details(0)
     gpu_text = f"GPU {gpu[0]} ({format_bytes(gpu[1])})" if gpu else "no GPU"
@@ -330,11 +330,11 @@ def run(setup: BenchSetup, work: Path):
     say(f"{setup.kind} of {setup.recipe.model.name} {setup.recipe.model.input_shape}, batch "
         f"{setup.recipe.train.batch_size} ({setup.recipe_path}): {setup.axis.describe()}, from "
         f"{setup.axis.label(setup.start)} (TensorFlow loads first)")
-    from launcher.devices import split_cpu
+    from launcher.rank.devices import split_cpu
 
     split_cpu()  # before TensorFlow starts: the gating check of lms-launch's result runs on two CPU devices
     from launcher.bench.steps import StepSource
-    from launcher.lms_target import rank_target
+    from launcher.lms.target import rank_target
 
     source = StepSource(setup.axis, setup.recipe)
     lms = lms_config(setup)
@@ -469,7 +469,7 @@ def floor_bound(setup: BenchSetup, results: list, source, lms, target):
             scale = ((memory - fixed) / floor.working_set_bytes) ** (1 / setup.axis.dims)
             start, stride = int(known.largest * scale), setup.grid.step
     if memory is None:  # the run judge on a GPU: its memory is the GPU's
-        from launcher.lms_target import gpu_details
+        from launcher.lms.target import gpu_details
 
         memory = gpu_details(0)[1]
     judge = partial(PROBES["floor"], EstimateSetting(source, memory, target, lms))
@@ -482,8 +482,8 @@ def floor_bound(setup: BenchSetup, results: list, source, lms, target):
 
 def check_gating(setup: BenchSetup, result) -> dict | None:
     """Proves lms-launch's plan at its largest size gated on what TensorFlow executes, on the step's
-    structural twin (launcher.twin), and returns that plan (with the check) for the results."""
-    from launcher.twin import verify_on_twin
+    structural twin (launcher.lms.twin), and returns that plan (with the check) for the results."""
+    from launcher.lms.twin import verify_on_twin
 
     probe = result.search.probe_at(result.largest)
     if probe is None or "plan_object" not in probe.data:

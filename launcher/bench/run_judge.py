@@ -8,7 +8,7 @@ gives GPU memory back. What the probe says:
 - exit 0 with a `summary.json`: it fits; the measured samples/s and peak device memory come from it,
   and for lms-launch the rank's plan (`lms/plan-rank0.json`) gives the swaps and the predicted step;
 - out of memory: TensorFlow's `ResourceExhaustedError` (`OOM when allocating ...`), which the worker
-  explains (launcher/oom.py) and ends with status 1; or a crash right after the allocator said it ran
+  explains (launcher/rank/oom.py) and ends with status 1; or a crash right after the allocator said it ran
   out of memory (some kernels do not check a failed small allocation): it does not fit, and the
   allocation that failed is reported;
 - anything else (a crash, a bad recipe, a timeout) is not a size that does not fit: the search stops

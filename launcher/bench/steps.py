@@ -1,4 +1,4 @@
-"""The training step at a size, built as the worker builds it (launcher.training), reusing what the
+"""The training step at a size, built as the worker builds it (launcher.rank.training), reusing what the
 size does not change.
 
 - max-batch: the Keras model and its optimizer do not depend on the batch, so they are built once and
@@ -46,7 +46,7 @@ class StepSource:
         self.builds = 0  # models built so far (the reuse a test can see)
 
     def at(self, size: int) -> SizedStep:
-        from launcher.training import make_train_step
+        from launcher.rank.training import make_train_step
 
         sized = self.axis.recipe_at(self.recipe, size)
         if self.axis.kind == "max-batch":
@@ -66,7 +66,7 @@ class StepSource:
     def _build(self, recipe: Recipe):
         import keras
 
-        from launcher.training import build_training
+        from launcher.rank.training import build_training
 
         keras.backend.clear_session()
         self.builds += 1

@@ -10,7 +10,7 @@ from launcher.config import Recipe
 
 
 class Task(abc.ABC):
-    """A model, its inputs and its loss. The loop in `launcher.training` drives any task."""
+    """A model, its inputs and its loss. The loop in `launcher.rank.training` drives any task."""
 
     #: How samples are stored in TFRecord files (see docs/data.md): `images` or `volumes`.
     record_kind: str
@@ -57,7 +57,7 @@ class Task(abc.ABC):
             with tf.device(device):
                 batch = self.synthetic_batch(batch_size, seed + rank)  # every rank sees different samples
             return _forever(batch)
-        from launcher.data.tfrecord import read_dataset
+        from launcher.rank.data.tfrecord import read_dataset
 
         dataset = read_dataset(  # it offsets the shuffle seed by the rank itself
             data.path, kind=self.record_kind, input_shape=self.model_cfg.input_shape,

@@ -1,7 +1,7 @@
 """Pure functions: settings -> the command that starts the ranks, rank -> its environment.
 
 Nothing here starts a process or reads the environment, so `--dry-run` and the tests see exactly what
-`launcher.spawn` will run. Three shapes of launch:
+`launcher.launch.spawn` will run. Three shapes of launch:
 
 - one rank on this machine: the worker runs directly, no Horovod launcher (hvd.init() gives size 1);
 - Gloo: `horovodrun --gloo -np N -H host:slots,...`, which starts the ranks (over ssh for other hosts),
@@ -19,7 +19,7 @@ from typing import Mapping
 
 from launcher import env as ev
 from launcher.config import DistributedConfig
-from launcher.threads import thread_defaults
+from launcher.launch.threads import thread_defaults
 
 LOCAL_HOST = "localhost"
 LOCAL_NAMES = frozenset({LOCAL_HOST, "127.0.0.1"})  # this machine, whatever else it is called
@@ -131,7 +131,7 @@ def runs_without_launcher(np: int, slots: list[Slot], local_hosts: frozenset[str
 def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str]) -> list[str]:
     """The per-rank command. Each rank resolves the same recipe and overrides itself, so no rank
     depends on a file the launcher wrote (other hosts may not share the run directory)."""
-    argv = [python, "-m", "launcher.worker", recipe_path, "--run-dir", run_dir]
+    argv = [python, "-m", "launcher.rank.worker", recipe_path, "--run-dir", run_dir]
     for item in overrides:
         argv += ["--set", item]
     return argv
@@ -140,7 +140,7 @@ def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str
 def launcher_env_defaults(user_env: Mapping[str, str]) -> dict[str, str]:
     """Variables the launcher adds to its own environment, which every rank inherits, unless the user
     set them: quiet TensorFlow logs, and unbuffered output so rank lines arrive as they are printed.
-    (Thread counts are per host and set by each rank: launcher/threads.py.)"""
+    (Thread counts are per host and set by each rank: launcher/launch/threads.py.)"""
     defaults = {ev.TF_CPP_MIN_LOG_LEVEL: "1", ev.PYTHONUNBUFFERED: "1"}
     return {key: value for key, value in defaults.items() if key not in user_env}
 
@@ -199,7 +199,7 @@ def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: 
         argv += worker  # horovodrun forwards the whole environment to every rank itself
     else:
         # --tag-output marks each line with its rank ([1,N]<stderr>:), as horovodrun does ([N]<stderr>:):
-        # the launcher names a failed rank and shows its last lines from those marks (launcher/spawn.py).
+        # the launcher names a failed rank and shows its last lines from those marks (launcher/launch/spawn.py).
         argv = ["mpirun", "-np", str(dist.np), "-H", host_list, "-bind-to", "none", "-map-by", "slot", "--tag-output"]
         if as_root:
             argv.append("--allow-run-as-root")  # containers often run as root; Open MPI refuses it otherwise

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from launcher.config import Recipe
-from launcher.devices import HOST_DEVICE, SPLIT_COMPUTE_CPU
+from launcher.rank.devices import HOST_DEVICE, SPLIT_COMPUTE_CPU
 
 TWIN_BATCH = 2  # batch norm needs more than one value per channel at the 1x1 bottom
 
 
 def twin_recipe(recipe: Recipe) -> Recipe:
-    from launcher.tasks import build_task
+    from launcher.rank.tasks import build_task
 
     shape = build_task(recipe).smallest_input_shape()
     return dataclasses.replace(
@@ -28,12 +28,12 @@ def twin_recipe(recipe: Recipe) -> Recipe:
 
 def verify_on_twin(recipe: Recipe, plan):
     """(GatingReport, what the twin was) for `plan`, made on `recipe`'s step. Needs split CPU
-    devices (launcher.devices.split_cpu) before TensorFlow started. Raises ValueError when the twin
+    devices (launcher.rank.devices.split_cpu) before TensorFlow started. Raises ValueError when the twin
     lacks an op the plan names."""
     import keras
 
     import lms_core.tf as lms_tf
-    from launcher.training import build_training
+    from launcher.rank.training import build_training
     from lms_core.tf.gating import verify_gating
     from lms_core.tf.op_profile import sample_inputs
 

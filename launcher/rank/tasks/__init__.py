@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from launcher.config import Recipe
-from launcher.tasks.base import Task
+from launcher.rank.tasks.base import Task
 
 
 def build_task(recipe: Recipe) -> Task:
     """The task for `model.name`; imports lazily so only the chosen model's code is loaded."""
     if recipe.model.name == "resnet50":
-        from launcher.tasks.resnet50 import ResNet50Task
+        from launcher.rank.tasks.resnet50 import ResNet50Task
         return ResNet50Task(recipe)
     if recipe.model.name == "unet3d":
-        from launcher.tasks.unet3d import UNet3DTask
+        from launcher.rank.tasks.unet3d import UNet3DTask
         return UNet3DTask(recipe)
     raise ValueError(f"model.name: no task for {recipe.model.name!r}")  # config validation stops this earlier
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from launcher.tasks.base import Task, smooth_noise
+from launcher.rank.tasks.base import Task, smooth_noise
 
 
 class ResNet50Task(Task):

@@ -65,13 +65,13 @@ def main(argv: list[str]) -> int:
         say("lms.enabled is false in this recipe; planning with its lms settings anyway")
     planned_lms = dataclasses.replace(recipe.lms, enabled=True)
     say(f"building {recipe.model.name} {recipe.model.input_shape}, batch {recipe.train.batch_size} (TensorFlow loads first)")
-    from launcher.devices import split_cpu
+    from launcher.rank.devices import split_cpu
 
     split_cpu()  # the gating check below runs the plan on two logical CPU devices
     import lms_core.tf as lms_tf
-    from launcher.lms_target import rank_target
-    from launcher.training import build_training
-    from launcher.twin import verify_on_twin
+    from launcher.lms.target import rank_target
+    from launcher.rank.training import build_training
+    from launcher.lms.twin import verify_on_twin
     from lms_core.plan import Plan
     from lms_core.planning import tunes
     from lms_core.simulator import simulate
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
             print(f"  backward branches ordered: {edges['kept']}/{edges['checked']} control edges honoured there")
     print(f"  (estimates and simulations, not GPU measurements; {time.perf_counter() - started:.0f} s)")
     if args.plot:
-        from launcher.plot import plot_step
+        from launcher.lms.plot import plot_step
 
         costs = planned.costs
         unswapped = simulate(planned.graph, Plan(settings=plan["settings"]), costs, target.link, keep_timeline=True)

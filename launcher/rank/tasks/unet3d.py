@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from launcher.tasks.base import Task, smooth_noise
+from launcher.rank.tasks.base import Task, smooth_noise
 
 
 def unet3d(input_shape: list[int], classes: int, depth: int = 4, base_filters: int = 32,

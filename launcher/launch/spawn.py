@@ -10,7 +10,7 @@ What it does when things go wrong:
   (exit status or signal) and the last lines that rank printed, and returns `EXIT_RANK_FAILED`.
 - Ctrl-C or SIGTERM to the launcher: it passes the signal on to the rank processes on this host (to
   the launch command when it sees none), which makes every rank stop after the same step and rank 0
-  save a checkpoint (launcher/stop.py). Ranks still running `STOP_GRACE_S` later, or after a second Ctrl-C
+  save a checkpoint (launcher/rank/stop.py). Ranks still running `STOP_GRACE_S` later, or after a second Ctrl-C
   or SIGTERM, are killed. Returns 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
 
 The launch command runs in its own session, so a Ctrl-C on the terminal reaches the launcher alone
@@ -36,7 +36,7 @@ from typing import Mapping
 import psutil
 
 from launcher import env as ev
-from launcher.metrics import format_bytes
+from launcher.rank.metrics import format_bytes
 
 EXIT_RANK_FAILED = 1
 STOPPED_STATUSES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # 130 after Ctrl-C, 143 after SIGTERM
@@ -49,7 +49,7 @@ STOP_GRACE_S = 60.0  # after asking the ranks to stop: time to finish the step a
 RANK_EXIT_GRACE_S = 10.0  # after a rank process ended mid-run: time for horovodrun or mpirun to end the rest
 KILL_WAIT_S = 5.0
 TAIL_LINES = 20
-WORKER_MODULE = "launcher.worker"
+WORKER_MODULE = "launcher.rank.worker"
 
 # How horovodrun and `mpirun --tag-output` mark each line of a rank: `[1]<stderr>:` and `[1,1]<stderr>:`
 # (Open MPI puts the job id first).

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from launcher.command import LOCAL_NAMES
+from launcher.launch.command import LOCAL_NAMES
 
 DEFAULT_CONNECT_TIMEOUT_S = 30  # for the fetch when distributed.start_timeout is not set
 

@@ -1,7 +1,7 @@
 """The one place a rank's traced training step is handed to LMS.
 
 With `lms.enabled: false` the step is returned as it is. Otherwise each rank:
-1. works out what it plans for (launcher.lms_target: its link, device profile, device and host memory);
+1. works out what it plans for (launcher.lms.target: its link, device profile, device and host memory);
 2. plans (auto-tuned or manual) and applies the swaps; with `lms.measure_ops` on GPUs it profiles
    that step and plans again with the measured op times;
 3. estimates peak memory with and without the swaps (Grappler's estimate);
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launcher.devices import HOST_DEVICE
-from launcher.host_memory import host_problems, pinned_limit_problem
-from launcher.lms_target import rank_target
+from launcher.rank.devices import HOST_DEVICE
+from launcher.lms.host_memory import host_problems, pinned_limit_problem
+from launcher.lms.target import rank_target
 from lms_core.config import LMSConfig
 from lms_core.units import format_bytes
 

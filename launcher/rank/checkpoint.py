@@ -300,7 +300,7 @@ class Checkpointer:
         values = [v.value for _, v in self._variables]
         if self.size > 1 and self._averaged:
             if self._mean is None:
-                from launcher.training import make_mean_across_ranks
+                from launcher.rank.training import make_mean_across_ranks
 
                 self._mean = make_mean_across_ranks([self._variables[i][1] for i in self._averaged])
             for index, mean in zip(self._averaged, self._mean()):

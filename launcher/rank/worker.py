@@ -1,4 +1,4 @@
-"""The per-rank process: `python -m launcher.worker RECIPE --run-dir DIR [--set k=v ...] [--resume]`.
+"""The per-rank process: `python -m launcher.rank.worker RECIPE --run-dir DIR [--set k=v ...] [--resume]`.
 
 Started once per rank by `lms-launch` (directly for one rank, by horovodrun or mpirun for more).
 Each rank resolves the recipe itself; rank 0 alone writes to the run directory.
@@ -19,7 +19,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 from launcher.recipe import RecipeError, load_recipe  # noqa: E402
-from launcher.threads import apply_thread_defaults, local_rank_from_env  # noqa: E402
+from launcher.launch.threads import apply_thread_defaults, local_rank_from_env  # noqa: E402
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -27,7 +27,7 @@ SUMMARY_FILE = "summary.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="launcher.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="launcher.rank.worker", description=__doc__)
     parser.add_argument("recipe")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
@@ -38,10 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def cap_pinned_host_memory(lms) -> None:
     """On a GPU rank, before TensorFlow starts: TensorFlow's cap on the pinned host memory swap-outs
-    land in, set from what this rank's plan may park there (launcher/host_memory.py)."""
-    from launcher.host_memory import set_pinned_limit
-    from launcher.lms_target import gpu_details, host_memory
-    from launcher.threads import local_size_from_env
+    land in, set from what this rank's plan may park there (launcher/lms/host_memory.py)."""
+    from launcher.lms.host_memory import set_pinned_limit
+    from launcher.lms.target import gpu_details, host_memory
+    from launcher.launch.threads import local_size_from_env
 
     if gpu_details(local_rank_from_env(os.environ)) is None:
         return  # no GPU: nothing is pinned
@@ -51,7 +51,7 @@ def cap_pinned_host_memory(lms) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Until training starts (launcher/stop.py), Ctrl-C ends a rank at once, as SIGTERM does, not
+    # Until training starts (launcher/rank/stop.py), Ctrl-C ends a rank at once, as SIGTERM does, not
     # with a KeyboardInterrupt traceback that would read as the rank's own failure.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     args = parse_args(argv)
@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    from launcher import checkpoint, metrics, training
-    from launcher.devices import pin_device
-    from launcher.lms_step import LMSSetupError, prepare_step
-    from launcher.oom import explain_out_of_memory, report_out_of_memory
+    from launcher.rank import checkpoint, metrics, training
+    from launcher.rank.devices import pin_device
+    from launcher.lms.step import LMSSetupError, prepare_step
+    from launcher.rank.oom import explain_out_of_memory, report_out_of_memory
     from launcher.recipe import recipe_to_dict
-    from launcher.stop import StopRequest
+    from launcher.rank.stop import StopRequest
 
     hvd.init()
     ctx = training.RankContext(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     checkpointer = checkpoint.Checkpointer(recipe.checkpoint, model, setup.optimizer, ctx.rank, ctx.size, log=say,
                                            metadata={"recipe": recipe_to_dict(recipe)})
-    # From here on SIGTERM and Ctrl-C stop every rank after the same step (launcher/stop.py).
+    # From here on SIGTERM and Ctrl-C stop every rank after the same step (launcher/rank/stop.py).
     stop = StopRequest(ctx.size).install()
     with tf.device(ctx.device), explain_out_of_memory(recipe, ctx.rank, ctx.device):
         result = training.train(step, batches, recipe, ctx, task, setup.optimizer, on_interval,

@@ -1,4 +1,4 @@
-"""`lms-launch tfrecord`: write training data as TFRecord files in the schema of launcher.data.tfrecord.
+"""`lms-launch tfrecord`: write training data as TFRecord files in the schema of launcher.rank.data.tfrecord.
 
     lms-launch tfrecord --kind images  --out DIR --from-npz data.npz      # arrays `images`, `labels`
     lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz      # arrays `volumes`, `masks`
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.data.tfrecord import (
+from launcher.rank.data.tfrecord import (
     KINDS, MAX_MASK_LABEL, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
 )
 

@@ -16,12 +16,12 @@ import numpy as np
 import tensorflow as tf
 
 from launcher.config import Recipe, TrainConfig
-from launcher.metrics import DeviceMemoryMonitor, IntervalRecord, host_rss_bytes
-from launcher.tasks.base import Task
+from launcher.rank.metrics import DeviceMemoryMonitor, IntervalRecord, host_rss_bytes
+from launcher.rank.tasks.base import Task
 
 if TYPE_CHECKING:
-    from launcher.checkpoint import Checkpointer
-    from launcher.stop import StopRequest
+    from launcher.rank.checkpoint import Checkpointer
+    from launcher.rank.stop import StopRequest
 
 
 @dataclass
@@ -48,7 +48,7 @@ class TrainingSetup:
 
 def build_training(recipe: Recipe, ranks: int, device: str) -> TrainingSetup:
     """Model, optimizer (with its slots built, so they can be broadcast) and the traced-to-be step."""
-    from launcher.tasks import build_task
+    from launcher.rank.tasks import build_task
 
     keras.utils.set_random_seed(recipe.train.seed)  # the same initial weights on every rank
     keras.mixed_precision.set_global_policy(recipe.train.precision)

@@ -1,0 +1,1 @@
+"""Starting the ranks: recipe -> command and environment, spawning them, copying results back, stopping them."""

@@ -1,10 +1,27 @@
-"""3D U-Net segmentation (Cicek et al. 2016) of 4-channel brain-tumour volumes (BraTS-like), the
-ISMM 2019 paper's image-resolution benchmark.
+"""The 3D U-Net the LMS papers trained (TFLMS, ISMM 2019): Isensee et al. 2017, the BraTS 2017
+network, segmenting 4-channel brain MRI volumes into three tumour label maps; ISMM's
+image-resolution benchmark.
 
-Layout: `depth` encoder levels of two 3x3x3 convolutions (+ batch norm) and ReLU, 2x2x2 max-pooling
-between levels, filters doubling per level; the decoder mirrors it with 2x2x2 transposed
-convolutions, concatenating the encoder's feature map of the same level (the skip connection); a
-1x1x1 convolution gives per-voxel logits.
+Every convolution is a *block*: Conv3D ('same', with bias) -> instance normalization (per sample
+and channel over the volume, gamma and beta per channel) -> LeakyReLU(0.3).
+
+- Encoder, `levels` levels with base_filters x 2^l filters (16 ... 256 in the paper): level l's
+  input block is 3x3x3 (stride 2 below level 0: strided convolutions, no pooling); its context
+  module is block -> SpatialDropout3D(dropout) -> block; the level's output is their sum (residual).
+- Decoder, levels `levels`-2 down to 0: UpSampling3D(2) (nearest neighbour) -> 3x3x3 block ->
+  concatenate(the encoder's output at this level, the upsampled) -> 3x3x3 block -> 1x1x1 block.
+- Deep supervision: at decoder levels 2, 1 and 0 (those there are) a 1x1x1 block with `labels`
+  filters; o = up(seg2); o = up(o + seg1); o = o + seg0: the model's output, one logit per label.
+
+The model returns those logits (float32); the loss applies the sigmoid (one independent binary map
+per label: they overlap, so no softmax), and anyone using the trained model applies it too:
+`keras.ops.sigmoid(model(x)) > 0.5`. At the paper's sizes (4 channels, 3 labels, 5 levels, 16 base
+filters) it has 8,269,579 parameters (tests/test_unet3d.py derives the count layer by layer).
+
+Spatial dropout draws its masks from each dropout layer's seed state, a variable of the model but
+not one of its weights: ranks start from rank 0's broadcast state, so all drop the same channels in
+a step; checkpoints keep the state (a resumed run draws the masks it would have drawn), the
+`model.keras` file does not.
 """
 from __future__ import annotations
 
@@ -14,67 +31,116 @@ from keras import layers
 
 from launcher.rank.tasks.base import Task, smooth_noise
 
+LEAKY_SLOPE = 0.3  # LeakyReLU's slope below zero, as in the paper (and old Keras's default alpha)
+NORM_EPSILON = 1e-3  # added to the variance in instance normalization (Keras's default)
+DICE_SMOOTHING = 1e-5  # keeps the Dice of an empty label map and an empty prediction at 1, not 0/0
+SUPERVISED_LEVELS = 3  # deep supervision at decoder levels 2, 1 and 0
 
-def unet3d(input_shape: list[int], classes: int, depth: int = 4, base_filters: int = 32,
-           batch_norm: bool = True) -> keras.Model:
-    def conv_block(x, filters: int, name: str):
-        for i in (1, 2):
-            x = layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{i}")(x)
-            if batch_norm:
-                x = layers.BatchNormalization(name=f"{name}_bn{i}")(x)
-            x = layers.ReLU(name=f"{name}_relu{i}")(x)
-        return x
 
+def instance_norm(name: str) -> layers.Layer:
+    """Instance normalization: group normalization with one group per channel normalises each
+    sample's channel over D, H and W, with a learned gamma and beta per channel (checked against a
+    hand computation in tests/test_unet3d.py). Keras's own layer, so `model.keras` loads without
+    custom objects; it computes the statistics in float32 under mixed precision."""
+    return layers.GroupNormalization(groups=-1, epsilon=NORM_EPSILON, name=name)
+
+
+def unet3d(input_shape: list[int], labels: int = 3, levels: int = 5, base_filters: int = 16,
+           dropout: float = 0.3) -> keras.Model:
+    """The network at any size: `input_shape` [D, H, W, C] with D, H and W multiples of
+    2^(levels-1). Layers are named by level (`enc2_ctx1_conv`, `dec0_loc2_norm`, `seg1_act`, ...)."""
+    def block(x, filters: int, name: str, kernel: int = 3, strides: int = 1):
+        x = layers.Conv3D(filters, kernel, strides=strides, padding="same", name=f"{name}_conv")(x)
+        x = instance_norm(f"{name}_norm")(x)
+        return layers.LeakyReLU(negative_slope=LEAKY_SLOPE, name=f"{name}_act")(x)
+
+    filters = [base_filters * 2**level for level in range(levels)]
     inputs = keras.Input(tuple(input_shape), name="volume")
     x = inputs
     skips = []
-    for level in range(depth - 1):
-        x = conv_block(x, base_filters * 2**level, f"enc{level}")
+    for level, width in enumerate(filters):
+        entry = block(x, width, f"enc{level}_in", strides=1 if level == 0 else 2)
+        context = block(entry, width, f"enc{level}_ctx1")
+        context = layers.SpatialDropout3D(dropout, name=f"enc{level}_dropout")(context)
+        context = block(context, width, f"enc{level}_ctx2")
+        x = layers.Add(name=f"enc{level}_sum")([entry, context])
         skips.append(x)
-        x = layers.MaxPooling3D(2, name=f"enc{level}_pool")(x)
-    x = conv_block(x, base_filters * 2 ** (depth - 1), "bottom")
-    for level in reversed(range(depth - 1)):
-        x = layers.Conv3DTranspose(base_filters * 2**level, 2, strides=2, name=f"dec{level}_up")(x)
-        x = layers.Concatenate(name=f"dec{level}_concat")([skips[level], x])
-        x = conv_block(x, base_filters * 2**level, f"dec{level}")
-    logits = layers.Conv3D(classes, 1, name="logits", dtype="float32")(x)
-    return keras.Model(inputs, logits, name="unet3d")
+
+    segmentations = {}
+    for level in reversed(range(levels - 1)):
+        up = layers.UpSampling3D(2, name=f"dec{level}_up")(x)
+        up = block(up, filters[level], f"dec{level}_upconv")
+        x = layers.Concatenate(name=f"dec{level}_concat")([skips[level], up])
+        x = block(x, filters[level], f"dec{level}_loc1")
+        x = block(x, filters[level], f"dec{level}_loc2", kernel=1)
+        if level < SUPERVISED_LEVELS:
+            segmentations[level] = block(x, labels, f"seg{level}", kernel=1)
+
+    deepest = max(segmentations)
+    out = segmentations[deepest]
+    for level in range(deepest, 0, -1):  # o = up(seg2); o = up(o + seg1); o = o + seg0
+        out = layers.UpSampling3D(2, name=f"seg{level}_up")(out)
+        # The last sum is the output: float32 logits under mixed precision too.
+        last = dict(name="logits", dtype="float32") if level == 1 else dict(name=f"seg{level - 1}_sum")
+        out = layers.Add(**last)([out, segmentations[level - 1]])
+    if deepest == 0:  # two levels: seg0 alone, still named and typed as the output
+        out = layers.Activation("linear", name="logits", dtype="float32")(out)
+    return keras.Model(inputs, out, name="unet3d")
+
+
+def soft_dice_loss(labels: tf.Tensor, logits: tf.Tensor, smoothing: float = DICE_SMOOTHING) -> tf.Tensor:
+    """Minus the mean soft Dice over batch and label: for each sample and label map,
+    (2 sum(y p) + s) / (sum(y) + sum(p) + s) with p = sigmoid(logits), summed over the volume.
+    The sigmoid is taken of float32 logits, so it saturates instead of overflowing."""
+    probs = tf.sigmoid(tf.cast(logits, tf.float32))
+    labels = tf.cast(labels, tf.float32)
+    volume = [1, 2, 3]
+    overlap = tf.reduce_sum(labels * probs, axis=volume)
+    total = tf.reduce_sum(labels, axis=volume) + tf.reduce_sum(probs, axis=volume)
+    return -tf.reduce_mean((2.0 * overlap + smoothing) / (total + smoothing))
+
+
+def nested_masks(signal: tf.Tensor, labels: int) -> tf.Tensor:
+    """[..., labels] float32 binary maps from `signal` [...]: map k marks the voxels whose signal
+    lies in the top 2^-(k+1) of the batch's (a half, a quarter, an eighth, ...), so each map lies
+    inside the one before, as BraTS's enhancing tumour lies inside the tumour core, inside the whole
+    tumour."""
+    ordered = tf.sort(tf.reshape(signal, [-1]))
+    count = int(ordered.shape[0])
+    cuts = tf.gather(ordered, [min(count - 1, int(count * (1 - 0.5 ** (k + 1)))) for k in range(labels)])
+    return tf.cast(signal[..., None] >= cuts, tf.float32)
 
 
 class UNet3DTask(Task):
     record_kind = "volumes"
 
+    @property
+    def label_count(self) -> int:
+        return self.model_cfg.labels
+
     def build_model(self) -> keras.Model:
         cfg = self.model_cfg
-        return unet3d(cfg.input_shape, cfg.classes, cfg.depth, cfg.base_filters, cfg.batch_norm)
+        return unet3d(cfg.input_shape, cfg.labels, cfg.levels, cfg.base_filters, cfg.dropout)
 
     def smallest_input_shape(self) -> list[int]:
-        side = 2 ** (self.model_cfg.depth - 1)  # one voxel at the bottom level
+        # Two voxels a side at the bottom level, not one: over a single voxel instance norm's
+        # statistics broadcast over nothing, and the gradient then lacks the sums that undo the
+        # broadcast (TensorFlow leaves them out when the shapes are equal), so names would differ.
+        side = 2 ** self.model_cfg.levels
         return [side, side, side, self.model_cfg.input_shape[-1]]
 
     def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-        """Cross-entropy + (1 - mean soft Dice over classes): cross-entropy gives smooth early
-        gradients, Dice keeps small tumour regions from being drowned by the background."""
-        logits = tf.cast(outputs, tf.float32)
-        cross_entropy = tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-        probs = tf.nn.softmax(logits)
-        onehot = tf.one_hot(labels, depth=self.model_cfg.classes, dtype=tf.float32)
-        axes = [0, 1, 2, 3]
-        intersection = tf.reduce_sum(probs * onehot, axis=axes)
-        total = tf.reduce_sum(probs, axis=axes) + tf.reduce_sum(onehot, axis=axes)
-        dice = (2.0 * intersection + 1.0) / (total + 1.0)
-        return cross_entropy + (1.0 - tf.reduce_mean(dice))
+        return soft_dice_loss(labels, outputs)
 
     def label_spec(self, batch_size: int) -> tf.TensorSpec:
-        return tf.TensorSpec([batch_size, *self.model_cfg.input_shape[:3]], tf.int32, name="labels")
+        # float32, as the loss multiplies them with probabilities: uint8 here would add a float32 copy.
+        return tf.TensorSpec([batch_size, *self.model_cfg.input_shape[:3], self.model_cfg.labels], tf.float32,
+                             name="labels")
 
     def synthetic_batch(self, batch_size: int, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
         volumes = smooth_noise([batch_size, *self.model_cfg.input_shape], seed)
-        # Label each voxel by thresholding its first channel: tumour-like blobs of several classes.
-        levels = tf.clip_by_value(volumes[..., 0], 0.0, 1.0 - 1e-6)
-        labels = tf.cast(levels * self.model_cfg.classes, tf.int32)
-        return volumes, labels
+        # Tumour-like nested blobs, thresholded from the (smooth) first channel: learnable.
+        return volumes, nested_masks(volumes[..., 0], self.model_cfg.labels)
 
     def voxels_per_sample(self) -> int:
         d, h, w, _ = self.model_cfg.input_shape

@@ -1,0 +1,589 @@
+"""Swap just enough, at the link's pace: plans from each tensor's read/write order (Zhang et al.,
+"Efficient Memory Management for GPU-based Deep Learning Systems", arXiv 1903.06631).
+
+The distance planner (lms_core.planner) swaps every tensor whose consumers lie far enough apart in
+levels, and the auto-tuner searches TFLMS's four knobs for the fastest set that fits. No setting of
+those knobs says "swap only these tensors, each once, and bring each back when the link is free and
+the budget allows": a threshold that swaps enough at the peak also swaps everything else that far
+apart, and one `ahead` serves every copy back. This planner decides per tensor instead, on the
+simulated schedule of the unswapped step:
+
+1. **When each tensor is used.** For every swappable tensor (the same rules as the distance planner:
+   lms_core.planner.reason_not_to_swap), its reads in time order; the longest idle gap after which
+   only backward ops read it splits its readers into near ones (they keep the original) and far
+   ones (they read a copy brought back).
+2. **When it could be off the device.** Copies out run in production order on the device-to-host
+   queue, so a tensor leaves the device when its copy is done and its near readers have run. Copies
+   back run on the host-to-device queue, scheduled as late as the link allows: from the last
+   backward read to the first, each copy ends by the time its first far reader starts, or by the
+   start of the copy after it. Between the two the tensor costs the device nothing.
+3. **Which to swap.** While the simulated memory over time exceeds the budget, at the moment of the
+   largest excess it takes, among the tensors off the device then, the one whose removal takes the
+   most excess away per byte moved, over the whole window it is off (so one tensor that spans the
+   overflowing stretch beats several that each cover part of it). It stops when nothing is over.
+4. **Triggers.** A copy back starts when its trigger has run: the latest op on the first far
+   reader's chain of backward inputs that ends before the copy's scheduled start (an ancestor of
+   the reader, so the plan can never deadlock). The plan entries are the same swaps and triggers
+   the distance planner makes, applied, gated and verified the same way (lms_core.tf).
+5. **Checked by the simulator.** The plan is replayed on the same simulator (lms_core.simulator),
+   which queues the copies and stalls readers whose copy is late. If the replayed peak is over the
+   budget (the schedule of step 2 assumed the unswapped times), planning is repeated for a budget
+   lowered by the overshoot, a few times at most.
+
+It is not a search over TFLMS's knobs: there are no levels, thresholds or group sizes, only the
+schedule, the sizes and the link's rates, and the smallest set of tensors whose time off the device
+covers the excess.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+
+from lms_core.config import LMSConfig
+from lms_core.graph import BACKWARD, Graph, Op, tensor_name
+from lms_core.link import LinkRates
+from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
+from lms_core.planner import (SHAPE_ONLY_TYPES, latest_backward_inputs, reason_not_to_swap, swap_phase)
+from lms_core.simulator import SimulationResult, simulate
+
+MAX_REPLANS = 6  # rounds of "the replay overshot: plan for less" before the best plan so far is kept
+
+
+@dataclass(frozen=True)
+class Return:
+    """One copy back of a swapped tensor, for far readers close together in time."""
+
+    readers: tuple[str, ...]  # in time order
+    needed_at: float  # when the first starts: the copy must have arrived
+    done_at: float  # when the last ends: the copy's device buffer is released then
+
+
+@dataclass(frozen=True, eq=False)  # one object per tensor: compared by identity
+class Candidate:
+    """A tensor that may be swapped, with its accesses on the unswapped schedule."""
+
+    tensor: str
+    producer: Op
+    nbytes: int
+    produced_at: float  # when its producer ends: the copy out may start
+    near_done_at: float  # when its last near reader ends (its producer's end when it has none)
+    returns: tuple[Return, ...]  # the copies back, in time order
+    order: int  # position of the producer in the schedule: copies out queue in this order
+
+
+@dataclass(frozen=True)
+class Window:
+    """A stretch of the unswapped schedule during which a chosen tensor is off the device."""
+
+    start: float
+    end: float
+
+    def covers(self, moment: float) -> bool:
+        return self.start <= moment < self.end
+
+
+@dataclass(frozen=True)
+class Layout:
+    """When a chosen tensor leaves the device and when each of its copies back starts (base times)."""
+
+    released_at: float  # copy out done and near readers run
+    backs: tuple[float, ...]  # per return
+
+    def windows(self, candidate: Candidate) -> list[Window]:
+        """The stretches it is off the device: until its first copy back, then between each
+        return's last reader and the next copy back."""
+        starts = [self.released_at] + [r.done_at for r in candidate.returns[:-1]]
+        return [Window(start, end) for start, end in zip(starts, self.backs) if start < end]
+
+
+@dataclass(frozen=True)
+class AccessOrderResult:
+    plan: Plan
+    simulation: SimulationResult  # the plan replayed on the target
+    budget_bytes: int  # the device budget it was made for
+    fits: bool
+    replans: int  # rounds planned for a lowered budget after the replay overshot
+    candidates: int  # tensors it could choose from
+
+    def describe(self) -> str:
+        from lms_core.units import format_bytes
+
+        waits = sum(1 for swap in self.plan.swaps if swap.waiters)
+        return (f"access-order: {len(self.plan.swaps)} of {self.candidates} candidate tensors swapped, "
+                f"{format_bytes(self.plan.swapped_bytes)}, {self.plan.swap_in_count} copies back"
+                + (f"; {waits} copies out waited for" if waits else "")
+                + (f"; planned {self.replans} more time(s) for a lower budget after the replay overshot"
+                   if self.replans else ""))
+
+
+def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, budget_bytes: int,
+                      compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
+                      control_edges: list[ControlEdge] = (), unswapped: SimulationResult | None = None
+                      ) -> AccessOrderResult:
+    """The plan for `graph` (analysed, with `control_edges` imposed) that keeps the simulated device
+    peak within `budget_bytes` on `link`, swapping as little as it can. `unswapped` is the replay of
+    the step without swaps, if the caller has one (with `keep_events`)."""
+    if unswapped is None or unswapped.executed is None:
+        unswapped = simulate(graph, Plan(settings=config.settings()), costs, link, keep_events=True)
+    schedule = Schedule(graph, unswapped)
+    candidates, skipped = find_candidates(graph, config, schedule, link, compute_device, data_inputs)
+    target, best, replans, held, forced = budget_bytes, None, 0, {}, set()
+    by_tensor = {c.tensor: c for c in candidates}
+    for round_ in range(MAX_REPLANS + 1):
+        chosen, waits, holds, met = choose(schedule, candidates, link, target, held,
+                                           [by_tensor[t] for t in sorted(forced)])
+        plan = build_plan(graph, config, schedule, chosen, waits, holds, link, skipped, control_edges)
+        simulation = simulate(graph, plan, costs, link, keep_events=True)
+        fits = simulation.peak_device_bytes <= budget_bytes
+        improved = best is None or _better(simulation, fits, best)
+        if improved:
+            best = (plan, simulation, fits, round_)
+        if fits or not chosen or (not met and not improved):
+            break  # done, or below what any choice of these tensors reaches (the floor) and no better
+        # The replay's times drift from the unswapped schedule's (waits, queued copies): a copy back
+        # that arrives early there holds memory at the replay's peak. Hold those copies past that
+        # moment and plan again; with none to hold, plan for a budget lowered by the overshoot.
+        late, resident, moment = _at_replay_peak(schedule, plan, simulation)
+        unswapped_there = {t for t in resident if t in by_tensor and t not in {c.tensor for c in chosen}
+                           and moment is not None
+                           and by_tensor[t].near_done_at <= moment < by_tensor[t].returns[-1].needed_at}
+        if late or unswapped_there:
+            held.update(late)
+            forced |= unswapped_there
+        else:
+            target -= max(simulation.peak_device_bytes - budget_bytes, budget_bytes // 200)
+    plan, simulation, fits, replans = best
+    return AccessOrderResult(plan, simulation, budget_bytes, fits, replans, len(candidates))
+
+
+def _at_replay_peak(schedule: Schedule, plan: Plan, simulation: SimulationResult
+                    ) -> tuple[dict[Hold, float], set[str], float | None]:
+    """At the replay's peak: the copies back on the device whose readers start after the op running
+    then (on the unswapped schedule), each to be held until that op has started; the buffers
+    resident then; and that op's start on the unswapped schedule. (The replay's order drifts from the unswapped schedule's where readers wait for
+    copies: other branches run meanwhile, and what they make lives longer.)"""
+    usage, peak, at = 0, -1, 0
+    events = simulation.memory_events
+    for i, event in enumerate(events):
+        usage += event.nbytes
+        if usage > peak:
+            peak, at = usage, i
+    live: dict[str, int] = {}
+    for event in events[:at + 1]:
+        if event.nbytes > 0:
+            live[event.buffer] = event.nbytes
+        else:
+            live.pop(event.buffer, None)
+    moment = schedule.start.get(simulation.executed[events[at].op_index][0]) if events else None
+    if moment is None:
+        return {}, set(live), None
+    holds = {}
+    for swap in plan.swaps:
+        for k, swap_in in enumerate(swap.swap_ins):
+            if swap_in.name in live and min(schedule.start[c] for c in swap_in.consumers) > moment:
+                holds[(swap.tensor, k)] = schedule.after(moment)
+    return holds, set(live), moment
+
+
+def _better(simulation: SimulationResult, fits: bool, best) -> bool:
+    """Fitting beats not fitting; among fitting plans the faster, among the others the lower peak."""
+    _, other, other_fits, _ = best
+    if fits != other_fits:
+        return fits
+    if fits:
+        return simulation.step_time_s < other.step_time_s
+    return simulation.peak_device_bytes < other.peak_device_bytes
+
+
+class Schedule:
+    """The unswapped step as the simulator ran it: each op's start and end, and device memory over
+    time as a step function (one point per instant, at that instant's highest)."""
+
+    def __init__(self, graph: Graph, result: SimulationResult):
+        self.graph = graph
+        self.start = {name: start for name, start, _ in result.executed}
+        self.end = {name: end for name, _, end in result.executed}
+        self.position = {name: i for i, (name, _, _) in enumerate(result.executed)}
+        events = sorted((e.time, e.phase, e.nbytes, e.op_index) for e in result.memory_events)
+        self.times: list[float] = []
+        self.usage: list[int] = []
+        self.allocating: list[str | None] = []  # the op whose allocation made each point's high, if any
+        usage = 0
+        for time, _, delta, op_index in events:
+            usage += delta
+            op = result.executed[op_index][0] if delta > 0 and op_index >= 0 else None
+            if self.times and self.times[-1] == time:
+                if usage > self.usage[-1]:
+                    self.usage[-1], self.allocating[-1] = usage, op or self.allocating[-1]
+                continue
+            self.times.append(time)
+            self.usage.append(usage)
+            self.allocating.append(op)
+        self._index = {time: i for i, time in enumerate(self.times)}
+        self.compute_s = result.compute_time_s
+        self.step_s = result.step_time_s
+        self.peak = max(self.usage, default=0)
+
+    def op_at(self, moment: float) -> str | None:
+        """The op whose allocation makes the memory high at `moment` (a time of the step function)."""
+        return self.allocating[self._index[moment]]
+
+    def after(self, moment: float) -> float:
+        """The time of the step function's next point after `moment`."""
+        i = bisect_right(self.times, moment)
+        return self.times[i] if i < len(self.times) else moment + 1e-9
+
+
+def find_candidates(graph: Graph, config: LMSConfig, schedule: Schedule, link: LinkRates, compute_device: str,
+                    data_inputs: frozenset[str]) -> tuple[list[Candidate], list[Skip]]:
+    """Every tensor that may be swapped (lms_core.planner's rules), its readers split at its longest
+    idle gap before backward-only reads into near and far ones, and the far ones grouped into copies
+    back wherever they pause longer than a copy back takes; and the tensors that qualify but may not
+    be swapped, with why."""
+    candidates, skipped = [], []
+    for name in graph.order:
+        producer = graph[name]
+        if swap_phase(producer, name in data_inputs, config) is None or name not in schedule.end:
+            continue
+        for index, info in enumerate(producer.outputs):
+            tensor = tensor_name(name, index)
+            readers = sorted({c for c, _ in graph.consumers(tensor) if graph[c].type not in SHAPE_ONLY_TYPES},
+                             key=lambda c: (schedule.start[c], c))
+            split = _longest_gap(graph, schedule, schedule.end[name], readers)
+            if split is None:
+                continue
+            far = [graph[c] for c in readers[split:]]
+            reason = reason_not_to_swap(producer, info, far, config, compute_device)
+            if reason is None and info.nbytes < config.min_tensor_bytes:
+                continue
+            if reason is not None:
+                skipped.append(Skip(tensor, info.nbytes, reason))
+                continue
+            near_done = max([schedule.end[name]] + [schedule.end[c] for c in readers[:split]])
+            copy_back_s = info.nbytes / link.h2d_bytes_per_s
+            candidates.append(Candidate(tensor, producer, info.nbytes, schedule.end[name], near_done,
+                                        _returns(schedule, readers[split:], copy_back_s), schedule.position[name]))
+    return candidates, skipped
+
+
+def _longest_gap(graph: Graph, schedule: Schedule, produced_at: float, readers: list[str]) -> int | None:
+    """The index of the first far reader: the split before which the idle time is longest, with only
+    backward readers after it; None when no such split leaves a gap."""
+    best, best_gap = None, 0.0
+    done = produced_at
+    for split, reader in enumerate(readers):
+        if all(graph[r].category == BACKWARD for r in readers[split:]):
+            gap = schedule.start[reader] - done
+            if gap > best_gap:
+                best, best_gap = split, gap
+        done = max(done, schedule.end[reader])
+    return best
+
+
+def _returns(schedule: Schedule, far: list[str], copy_back_s: float) -> tuple[Return, ...]:
+    """The far readers in groups: a new copy back wherever they pause for longer than it takes."""
+    groups: list[list[str]] = []
+    done = float("-inf")
+    for reader in far:
+        if groups and schedule.start[reader] - done <= copy_back_s:
+            groups[-1].append(reader)
+        else:
+            groups.append([reader])
+        done = max(done, schedule.end[reader])
+    return tuple(Return(tuple(group), schedule.start[group[0]], max(schedule.end[r] for r in group))
+                 for group in groups)
+
+
+class Stalls:
+    """Where the step waits for copies out: a wait at base time `m` holds the op starting then until
+    the copies out of the tensors it waits for are done, and delays everything after it. Times on
+    the unswapped schedule ("base") map to times of the step with those waits ("real") and back."""
+
+    def __init__(self, stalls: list[tuple[float, float]] = ()):
+        self.moments = [m for m, _ in stalls]
+        self.after = []  # total delay of every event at or after each moment
+        total = 0.0
+        for _, delay in stalls:
+            total += delay
+            self.after.append(total)
+
+    def real(self, base: float) -> float:
+        i = bisect_right(self.moments, base)
+        return base + (self.after[i - 1] if i else 0.0)
+
+    def base(self, real: float) -> float:
+        """The base time of a real one; a moment inside a wait maps to just before the waiting op."""
+        for i, moment in enumerate(self.moments):
+            before = self.after[i - 1] if i else 0.0
+            if real < moment + before:
+                return real - before
+            if real < moment + self.after[i]:
+                return moment - 1e-12
+        return real - (self.after[-1] if self.after else 0.0)
+
+    @property
+    def total(self) -> float:
+        return self.after[-1] if self.after else 0.0
+
+
+Hold = tuple[str, int]  # a copy back: (tensor, which return)
+
+
+def lay_out(chosen: list[Candidate], waits: dict[str, float], link: LinkRates, copy_out: bool = True,
+            holds: dict[Hold, float] | None = None) -> tuple[dict[str, Layout], Stalls]:
+    """When each chosen tensor is off the device (base times), and the waits the plan makes.
+
+    Copies out run in production order on one queue; a tensor in `waits` must be gone by its moment,
+    so the op there waits for its copy. Copies back run on the other queue as late as possible: from
+    the last needed to the first, each done by its first reader's start and before the next starts;
+    a copy in `holds` may not start before its moment (the budget has no room for it then), and the
+    copies queued after it wait for it. Without `copy_out`, copies out take no time (what `cover`
+    assumes). Reads delayed by held copies are the replay's to time."""
+    stalls: list[tuple[float, float]] = []
+    pending: dict[float, float] = {}  # moment -> the latest copy end a wait there needs (real time)
+    free, released_real = 0.0, {}
+    timeline = Stalls()
+    for candidate in sorted(chosen, key=lambda c: c.order):
+        for moment in sorted(m for m in pending if m <= candidate.produced_at):  # waits passed: now known
+            timeline = _stall(stalls, timeline, moment, pending.pop(moment))
+        start = max(free, timeline.real(candidate.produced_at))
+        free = start + (candidate.nbytes / link.d2h_bytes_per_s if copy_out else 0.0)
+        released_real[candidate.tensor] = max(free, timeline.real(candidate.near_done_at))
+        if candidate.tensor in waits:
+            moment = waits[candidate.tensor]
+            pending[moment] = max(pending.get(moment, 0.0), free)
+    for moment in sorted(pending):
+        timeline = _stall(stalls, timeline, moment, pending[moment])
+    copies = sorted(((c.returns[k].needed_at, c.order, k, c) for c in chosen for k in range(len(c.returns))),
+                    key=lambda item: item[:3])
+    back_real: dict[Hold, float] = {}
+    next_start = float("inf")
+    for needed, _, k, candidate in reversed(copies):
+        start = min(timeline.real(needed), next_start) - candidate.nbytes / link.h2d_bytes_per_s
+        back_real[(candidate.tensor, k)] = start
+        next_start = start
+    if holds:
+        queue_free = float("-inf")
+        for _, _, k, candidate in copies:
+            key = (candidate.tensor, k)
+            start = max(back_real[key], timeline.real(holds.get(key, float("-inf"))), queue_free)
+            back_real[key] = start
+            queue_free = start + candidate.nbytes / link.h2d_bytes_per_s
+    layout = {c.tensor: Layout(timeline.base(released_real[c.tensor]),
+                               tuple(timeline.base(back_real[(c.tensor, k)]) for k in range(len(c.returns))))
+              for c in chosen}
+    return layout, timeline
+
+
+def _stall(stalls: list[tuple[float, float]], timeline: Stalls, moment: float, copy_end: float) -> Stalls:
+    delay = max(0.0, copy_end - timeline.real(moment))
+    if delay <= 0:
+        return timeline
+    stalls.append((moment, delay))
+    return Stalls(stalls)
+
+
+def choose(schedule: Schedule, candidates: list[Candidate], link: LinkRates, budget_bytes: int,
+           held: dict[Hold, float] | None = None, include: list[Candidate] = ()
+           ) -> tuple[list[Candidate], dict[str, float], dict[Hold, float], bool]:
+    """Tensors to swap (`include` among them), the moments some of them must be gone by (the op
+    there waits for their copies out), those some copies back must wait for (`held` to start with),
+    and whether the budget could be met at every moment: `cover`, then `waits_for`."""
+    chosen, holds, met = cover(schedule, candidates, link, budget_bytes, held, include)
+    return chosen, waits_for(schedule, chosen, link, budget_bytes, holds), holds, met
+
+
+def cover(schedule: Schedule, candidates: list[Candidate], link: LinkRates, budget_bytes: int,
+          held: dict[Hold, float] | None = None, include: list[Candidate] = ()
+          ) -> tuple[list[Candidate], dict[Hold, float], bool]:
+    """Tensors whose time off the device covers every moment the unswapped step is over the budget,
+    moving as few bytes as the greedy finds, and the moments some copies back must wait for. A
+    tensor is off from its last near read (the copy out's pace is `waits_for`'s concern) to its
+    copy back, scheduled as late as the link allows and, where that brings it back into a moment
+    over the budget, held until that moment has passed. The flag says whether every moment could be
+    brought within the budget (not where nothing can be off the device: the floor there).
+
+    At the moment of the largest excess it takes a tensor off the device then, one whose windows
+    cover most of the time spent over the budget and whose bytes that moment needs (a tensor larger
+    than the excess there moves bytes no moment needs)."""
+    times, usage = schedule.times, list(schedule.usage)
+    durations = [later - earlier for earlier, later in zip(times, times[1:])] + [0.0]
+    chosen: list[Candidate] = list(include)
+    holds: dict[Hold, float] = dict(held or {})
+    layout, _ = lay_out(chosen, {}, link, copy_out=False, holds=holds)
+    for candidate in chosen:
+        _apply(times, usage, layout[candidate.tensor].windows(candidate), -candidate.nbytes)
+    left = [c for c in candidates if c not in chosen]
+    stuck: set[int] = set()  # moments nothing can be taken off at: the floor there, or the link's pace
+    while True:
+        over = [u - budget_bytes for u in usage]
+        worst = max((i for i in range(len(over)) if i not in stuck), key=over.__getitem__, default=None)
+        if worst is None or over[worst] <= 0:
+            break
+        excess = over[worst]
+        moment = times[worst]
+        hot = [0.0]  # time spent over the budget before each point
+        for duration, above in zip(durations, over):
+            hot.append(hot[-1] + (duration if above > 0 else 0.0))
+        queue = _BackQueue(chosen, layout, link)
+        best, best_key, best_hold = None, None, None
+        for candidate in left:
+            if not candidate.near_done_at <= moment < candidate.returns[-1].needed_at:
+                continue
+            starts = queue.starts_of(candidate)
+            # A copy back that would start before the moment for reads after it is held past it.
+            hold = next((k for k, (start, r) in enumerate(zip(starts, candidate.returns))
+                         if start <= moment < r.needed_at), None)
+            if hold is not None:
+                starts = starts[:hold] + (schedule.after(moment),) + starts[hold + 1:]
+            windows = Layout(candidate.near_done_at, starts).windows(candidate)
+            if not any(window.covers(moment) for window in windows):
+                continue
+            coverage = sum(hot[bisect_left(times, w.end)] - hot[bisect_left(times, w.start)] for w in windows)
+            # One that needs no hold first (its reads need not wait), then the most excess taken away.
+            key = (hold is None, coverage * min(candidate.nbytes, excess) / candidate.nbytes, candidate.nbytes)
+            if best_key is None or key > best_key:
+                best, best_key, best_hold = candidate, key, hold
+        early = None
+        if best is None:
+            # The queue brings a chosen tensor back before this moment for reads after it: hold that
+            # copy until the moment has passed (its readers may then wait for it).
+            early = max(((c, k) for c in chosen for k, r in enumerate(c.returns)
+                         if layout[c.tensor].backs[k] <= moment < r.needed_at), key=lambda ck: (
+                            ck[0].returns[ck[1]].needed_at, ck[0].nbytes), default=None)
+            if early is None:
+                stuck.add(worst)  # nothing can be off the device at that moment: go on with the others
+                continue
+        if best is not None:
+            chosen.append(best)
+            left.remove(best)
+            if best_hold is not None:
+                holds[(best.tensor, best_hold)] = schedule.after(moment)
+        else:
+            holds[(early[0].tensor, early[1])] = schedule.after(moment)
+        before, (layout, _) = layout, lay_out(chosen, {}, link, copy_out=False, holds=holds)
+        for candidate in chosen:  # a new copy moves others on the queues: apply what changed
+            old = before[candidate.tensor] if candidate.tensor in before else None
+            if old != layout[candidate.tensor]:
+                if old is not None:
+                    _apply(times, usage, old.windows(candidate), +candidate.nbytes)
+                _apply(times, usage, layout[candidate.tensor].windows(candidate), -candidate.nbytes)
+    return chosen, holds, not stuck
+
+
+class _BackQueue:
+    """The host-to-device queue as the chosen tensors use it (as late as possible), to place one more
+    tensor's copies back on it: each done by its first reader's start and before the chosen copies
+    needed after it begin. (Its own effect on the others is worked out once it is chosen.)"""
+
+    def __init__(self, chosen: list[Candidate], layout: dict[str, Layout], link: LinkRates):
+        self.link = link
+        copies = sorted(((c.returns[k].needed_at, c.order, k, layout[c.tensor].backs[k])
+                         for c in chosen for k in range(len(c.returns))), key=lambda item: item[:3])
+        self.keys = [item[:3] for item in copies]
+        self.starts = [item[3] for item in copies]
+
+    def starts_of(self, candidate: Candidate) -> tuple[float, ...]:
+        starts = []
+        for k, copy in enumerate(candidate.returns):
+            after = bisect_right(self.keys, (copy.needed_at, candidate.order, k))
+            next_start = self.starts[after] if after < len(self.starts) else float("inf")
+            starts.append(min(copy.needed_at, next_start) - candidate.nbytes / self.link.h2d_bytes_per_s)
+        return tuple(starts)
+
+
+def waits_for(schedule: Schedule, chosen: list[Candidate], link: LinkRates, budget_bytes: int,
+              holds: dict[Hold, float]) -> dict[str, float]:
+    """Where the step must wait for copies out: going through the schedule in time, at each moment
+    still over the budget, the fewest chosen tensors (in the order the queue finishes them) whose
+    copies out must be done before the op there allocates; each gets that moment. Waiting at the
+    first such moment also lets later copies finish sooner, so later moments need shorter waits."""
+    waits: dict[str, float] = {}
+    times = schedule.times
+
+    def remaining(layout: dict[str, Layout]) -> list[int]:
+        usage = list(schedule.usage)
+        for candidate in chosen:
+            _apply(times, usage, layout[candidate.tensor].windows(candidate), -candidate.nbytes)
+        return usage
+
+    layout, _ = lay_out(chosen, waits, link, holds=holds)
+    usage = remaining(layout)
+    for i, moment in enumerate(times):
+        excess = usage[i] - budget_bytes
+        if excess <= 0:
+            continue
+        late = [c for c in chosen if c.near_done_at <= moment < layout[c.tensor].backs[0]
+                and layout[c.tensor].released_at > moment]
+        if not late:
+            continue
+        late.sort(key=lambda c: (layout[c.tensor].released_at, c.order))
+        for candidate in late:
+            waits[candidate.tensor] = moment
+            excess -= candidate.nbytes
+            if excess <= 0:
+                break
+        layout, _ = lay_out(chosen, waits, link, holds=holds)
+        usage = remaining(layout)
+    return waits
+
+
+def _apply(times: list[float], usage: list[int], windows: list[Window], delta: int) -> None:
+    for window in windows:
+        for i in range(bisect_left(times, window.start), bisect_left(times, window.end)):
+            usage[i] += delta
+
+
+def build_plan(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list[Candidate], waits: dict[str, float],
+               holds: dict[Hold, float], link: LinkRates, skipped: list[Skip], control_edges: list[ControlEdge]
+               ) -> Plan:
+    """The chosen tensors as plan entries: one swap-in per return, triggered by the latest backward
+    ancestor of its first reader that ends before the copy back should start; a tensor that must be
+    gone by a moment has the op allocating then as its waiter (sync mode 1's mechanism)."""
+    latest = latest_backward_inputs(graph)
+    layout, _ = lay_out(chosen, waits, link, holds=holds)
+    swaps, not_made = [], list(skipped)
+    for candidate in sorted(chosen, key=lambda c: c.order):
+        name, index = candidate.producer.name, int(candidate.tensor.rpartition(":")[2])
+        swap_ins = []
+        for k, copy in enumerate(candidate.returns):
+            first = graph[copy.readers[0]]
+            trigger = _trigger(graph, schedule, latest, first, layout[candidate.tensor].backs[k])
+            if trigger is None or schedule.end[trigger.name] < candidate.near_done_at:
+                break
+            swap_ins.append(SwapIn(name=f"lms/swapin_{name}_{index}_{k}", trigger=trigger.name,
+                                   trigger_level=trigger.level, consumers=list(copy.readers),
+                                   consumer_levels=[graph[c].level for c in copy.readers]))
+        if len(swap_ins) < len(candidate.returns):
+            not_made.append(Skip(candidate.tensor, candidate.nbytes, (
+                f"no backward op before {candidate.returns[len(swap_ins)].readers[0]} runs after its near readers "
+                f"to start a copy back")))
+            continue
+        info = candidate.producer.outputs[index]
+        waiter = schedule.op_at(waits[candidate.tensor]) if candidate.tensor in waits else None
+        swaps.append(Swap(tensor=candidate.tensor, producer_type=candidate.producer.type, shape=list(info.shape),
+                          dtype=info.dtype, nbytes=candidate.nbytes, producer_level=candidate.producer.level,
+                          swap_out=f"lms/swapout_{name}_{index}", swap_ins=swap_ins,
+                          waiters=[waiter] if waiter else []))
+    settings = dict(config.settings(), strategy="access-order", sync_mode=1 if any(s.waiters for s in swaps) else 0)
+    return Plan(settings=settings, swaps=swaps, skipped=not_made, control_edges=list(control_edges), ops=len(graph),
+                levels=1 + max((op.level for op in graph.ops.values()), default=-1))
+
+
+def _trigger(graph: Graph, schedule: Schedule, latest: dict[str, str | None], reader: Op, start_by: float) -> Op | None:
+    """Walks back from `reader` along its latest backward inputs to the first op that ends by
+    `start_by` (the op after which the copy back should start)."""
+    current = latest[reader.name]
+    while current is not None and schedule.end.get(current, float("inf")) > start_by:
+        current = latest[current]
+    return None if current is None else graph[current]
+
+
+def lower_bound_s(schedule: Schedule, link: LinkRates, budget_bytes: int) -> tuple[float, int]:
+    """(seconds, bytes): no plan makes the step faster than its unswapped compute, nor than the bytes
+    the budget forces off the device moved at the link's rates. At the unswapped peak, at least
+    (peak - budget) bytes must be on the host: they were copied out before that moment and are
+    copied back after it, on queues of the link's rates."""
+    forced = max(0, schedule.peak - budget_bytes)
+    transfer = forced / link.d2h_bytes_per_s + forced / link.h2d_bytes_per_s if forced else 0.0
+    return max(schedule.compute_s, transfer), forced

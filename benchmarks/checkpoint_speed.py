@@ -27,10 +27,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from launcher.rank import checkpoint as ck
     from launcher.config import CheckpointConfig
-    from launcher.recipe import load_recipe
+    from launcher.rank import checkpoint as ck
+    from launcher.rank.collectives import RankContext
     from launcher.rank.training import build_training
+    from launcher.recipe import load_recipe
+
+    alone = RankContext(rank=0, size=1, local_rank=0, local_size=1, host="here", device="CPU:0")
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="lms-checkpoint-speed-"))
     print(f"folder {root}; median of {args.repeats}; {os.cpu_count()} CPU(s)")
@@ -44,12 +47,12 @@ def main() -> int:
         for repeat in range(args.repeats):
             shutil.rmtree(folder, ignore_errors=True)
             config = CheckpointConfig(dir=str(folder / "checkpoints"), keep=1)
-            checkpointer = ck.Checkpointer(config, setup.model, setup.optimizer, rank=0, size=1, log=None)
+            checkpointer = ck.Checkpointer(config, setup.model, setup.optimizer, alone, log=None)
             started = time.perf_counter()
             path = checkpointer.save(repeat + 1)
             saves.append(time.perf_counter() - started)
             started = time.perf_counter()
-            ck.restore_on_rank0(config, setup.model, setup.optimizer, total_steps=10**9, resume=True,
+            ck.restore_on_rank0(config, setup.model, setup.optimizer, total_steps=10**9, resume=True, ranks=1,
                                 log=lambda _: None)
             loads.append(time.perf_counter() - started)
             started = time.perf_counter()

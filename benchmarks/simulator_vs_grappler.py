@@ -42,15 +42,15 @@ def main() -> int:
         started = time.perf_counter()
         step, specs = build()
         rewritten = lms_tf.rewrite(step, *specs, config=config)
-        grappler_base, grappler_lms = lms_tf.estimate_rewrite(rewritten, 1 << 40)
+        estimate = lms_tf.estimate_rewrite(rewritten, 1 << 40)
         graph, plan = rewritten.planning.graph, rewritten.plan
         costs = step_costs(graph, PROFILES["v100"])
         base = simulate(rewritten.planning.traced, Plan(settings=plan.settings), costs, INFINITE).peak_device_bytes
         lms = simulate(graph, plan, costs, INFINITE).peak_device_bytes
         real = [simulate(graph, plan, costs, NAMED_LINKS[link]).peak_device_bytes for link in ("nvlink2", "pcie3")]
-        print(f"{model:<10} {size:<10} {grappler_base.device_bytes / GIB:9.2f} {base / GIB:7.2f} "
-              f"{base / grappler_base.device_bytes:6.3f} | {grappler_lms.device_bytes / GIB:12.2f} {lms / GIB:8.2f} "
-              f"{lms / grappler_lms.device_bytes:6.3f} | {real[0] / GIB:8.2f} {real[1] / GIB:7.2f}  "
+        print(f"{model:<10} {size:<10} {estimate.baseline_bytes / GIB:9.2f} {base / GIB:7.2f} "
+              f"{base / estimate.baseline_bytes:6.3f} | {estimate.lms_bytes / GIB:12.2f} {lms / GIB:8.2f} "
+              f"{lms / estimate.lms_bytes:6.3f} | {real[0] / GIB:8.2f} {real[1] / GIB:7.2f}  "
               f"{time.perf_counter() - started:.0f}", flush=True)
     return 0
 

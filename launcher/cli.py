@@ -7,6 +7,7 @@
                     [--out DIR] [--plot]
     lms-launch tfrecord --kind images|volumes --out DIR ...
     lms-launch bench max-batch|max-resolution RECIPE [--judge auto|estimate|run] [--device-memory 16GiB] [--out DIR]
+    lms-launch bundle [--have FILE|NAME] [--part-size 56MiB] [--out DIR]   # offline runtime for a GPU machine
 
 Exit status: 0 on success, 1 when a rank fails, 2 for bad usage or a bad recipe (nothing started,
 nothing written), 130 after Ctrl-C and 143 after SIGTERM (the ranks stop after the same step and save
@@ -15,6 +16,7 @@ a checkpoint when checkpoint.dir is set).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -27,48 +29,30 @@ import yaml
 
 from launcher.launch.command import (HostsError, LaunchSpec, build_launch, parse_hostfile, parse_hosts, ssh_options,
                               worker_argv)
+from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
 from launcher.config import Recipe
 from launcher.recipe import RecipeError, load_recipe, recipe_to_dict
 
-USAGE_ERROR = 2
-SUBCOMMANDS = ("plan", "tfrecord", "bench")
-
-
-class UsageError(Exception):
-    """Bad command-line use; printed as it is, exit 2."""
+# The other commands, each `main(argv) -> exit status` in its own module, imported when asked for
+# (they load TensorFlow; `lms-launch RECIPE` itself does not).
+SUBCOMMANDS = {"plan": "launcher.lms.plan_command", "bench": "launcher.bench.command",
+               "tfrecord": "launcher.rank.data.convert", "bundle": "launcher.bundle"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # subcommands that load TensorFlow: no INFO noise
     try:
-        if argv and argv[0] == "plan":
-            from launcher.lms.plan_command import main as plan_main
-
-            return plan_main(argv[1:])
-        if argv and argv[0] == "tfrecord":
-            from launcher.rank.data.convert import main as tfrecord_main
-
-            return tfrecord_main(argv[1:])
-        if argv and argv[0] == "bench":
-            from launcher.bench.command import main as bench_main
-
-            return bench_main(argv[1:])
+        if argv and argv[0] in SUBCOMMANDS:
+            return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
         return train_main(argv)
     except (RecipeError, HostsError, UsageError) as err:
         print(f"lms-launch: error: {err}", file=sys.stderr)
-        return USAGE_ERROR
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on its own; this keeps one error format for every usage error."""
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (see lms-launch --help)")
+        return USAGE_STATUS
 
 
 def train_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = UsageParser(
         prog="lms-launch",
         description="Train a YAML recipe data-parallel with Horovod, with Large Model Support. "
                     "Other commands: 'lms-launch plan RECIPE' (LMS plan and memory estimate, no training), "
@@ -210,7 +194,7 @@ def train_main(argv: list[str]) -> int:
         check_checkpoint_dir(recipe, args.resume)
 
     from launcher.launch.spawn import STOPPED_STATUSES, run_ranks
-    from launcher.rank.worker import METRICS_FILE, SUMMARY_FILE
+    from launcher.worker import METRICS_FILE, SUMMARY_FILE
 
     run_dir.mkdir(parents=True, exist_ok=True)
     rank0_here = spec.rank0_host in local_hosts

@@ -25,25 +25,34 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass
 class ModelConfig:
-    """The network and its input."""
+    """The network and its input. Keys that belong to one network only (marked so) are refused for
+    the other; left out, they take that network's default, shown in brackets."""
 
     name: str = "resnet50"
-    """Which network: `resnet50` (Keras ResNet-50, He et al. 2016) or `unet3d` (Cicek et al. 2016)."""
+    """Which network: `resnet50` (Keras ResNet-50, He et al. 2016) or `unet3d` (the 3D U-Net of
+    Isensee et al. 2017 that the LMS papers trained; launcher/rank/tasks/unet3d.py)."""
 
     input_shape: list[int] = field(default_factory=lambda: [224, 224, 3])
-    """One sample's shape, channels last: [H, W, C] for resnet50, [D, H, W, C] for unet3d."""
+    """One sample's shape, channels last: [H, W, C] for resnet50, [D, H, W, C] for unet3d (D, H and
+    W multiples of 2^(levels-1), e.g. 16 for 5 levels)."""
 
-    classes: int = 1000
-    """Output classes (resnet50) or segmentation labels per voxel (unet3d)."""
+    classes: int | None = None
+    """resnet50 only [1000]: output classes; each image has one label in [0, classes)."""
 
-    depth: int = 4
-    """unet3d only: resolution levels of the encoder (each halves D, H and W)."""
+    labels: int | None = None
+    """unet3d only [3]: binary label maps per voxel, one sigmoid output each; 3 for BraTS's nested
+    regions (whole tumour, tumour core, enhancing tumour)."""
 
-    base_filters: int = 32
-    """unet3d only: filters of the first level; each deeper level doubles them."""
+    levels: int | None = None
+    """unet3d only [5]: resolution levels; level l has base_filters x 2^l filters at 1/2^l of the
+    input's side (each level below the first starts with a stride-2 convolution). At least 2."""
 
-    batch_norm: bool = True
-    """unet3d only: batch normalization after every convolution."""
+    base_filters: int | None = None
+    """unet3d only [16]: filters of the first level; each deeper level doubles them."""
+
+    dropout: float | None = None
+    """unet3d only [0.3]: the SpatialDropout3D rate in every context module (whole channels are
+    dropped); 0 turns dropout off."""
 
     def __post_init__(self) -> None:
         _one_of("name", self.name, MODELS)
@@ -51,20 +60,43 @@ class ModelConfig:
         if len(self.input_shape) != want or any(d < 1 for d in self.input_shape):
             layout = "[H, W, C]" if want == 3 else "[D, H, W, C]"
             raise SettingError("input_shape", f"{self.name} takes {want} positive sizes {layout}; got {self.input_shape}")
-        if self.classes < 2:
-            raise SettingError("classes", f"must be >= 2; got {self.classes}")
-        if self.depth < 1:
-            raise SettingError("depth", f"must be >= 1; got {self.depth}")
+        own = _MODEL_DEFAULTS[self.name]
+        for key, other in ((k, m) for m, keys in _MODEL_DEFAULTS.items() if m != self.name for k in keys):
+            if getattr(self, key) is not None and key not in own:
+                raise SettingError(key, f"applies to {other} only; remove it for model.name {self.name}"
+                                        + (" (its outputs are model.labels)" if key == "classes" else ""))
+        for key, default in own.items():
+            if getattr(self, key) is None:
+                setattr(self, key, default)
+        if self.name == "resnet50":
+            if self.classes < 2:
+                raise SettingError("classes", f"must be >= 2; got {self.classes}")
+            return
+        if self.labels < 1:
+            raise SettingError("labels", f"must be >= 1 binary label map; got {self.labels}")
+        if self.levels < 2:
+            raise SettingError("levels", f"must be >= 2 (the decoder starts one level above the bottom); "
+                                         f"got {self.levels}")
         if self.base_filters < 1:
             raise SettingError("base_filters", f"must be >= 1; got {self.base_filters}")
-        if self.name == "unet3d":
-            step = 2 ** (self.depth - 1)
-            if any(d % step for d in self.input_shape[:3]):
-                raise SettingError(
-                    "input_shape",
-                    f"D, H and W must be divisible by 2^(depth-1) = {step} so the decoder meets the skips; "
-                    f"got {self.input_shape[:3]} with depth {self.depth}",
-                )
+        if not 0 <= self.dropout < 1:
+            raise SettingError("dropout", f"must be in [0, 1) (0: no dropout); got {self.dropout}")
+        step = 2 ** (self.levels - 1)
+        if any(d % step for d in self.input_shape[:3]):
+            fits = [max(step, round(d / step) * step) for d in self.input_shape[:3]]
+            raise SettingError(
+                "input_shape",
+                f"D, H and W must be multiples of 2^(levels-1) = {step} so that every level halves them "
+                f"exactly and the decoder meets the skips; got {self.input_shape[:3]} with {self.levels} levels "
+                f"(e.g. {fits + self.input_shape[3:]}, or fewer model.levels)",
+            )
+
+
+_MODEL_DEFAULTS = {
+    "resnet50": {"classes": 1000},
+    "unet3d": {"labels": 3, "levels": 5, "base_filters": 16, "dropout": 0.3},
+}
+"""The keys that belong to one network, and their defaults (ModelConfig's `[...]`)."""
 
 
 @dataclass

@@ -49,3 +49,8 @@ LMS_LAUNCH_GPU = "LMS_LAUNCH_GPU"
 # TensorFlow's CPU allocator is held to the device memory benchmarked, so a step that needs more fails as on a
 # full GPU. (It caps TensorFlow's BFC allocator on the CPU, in MiB; read when TensorFlow starts.)
 TF_CPU_BFC_MEM_LIMIT_IN_MB = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+
+# Set by a rank whose CPU allocator is held to a limit (TF_CPU_BFC_MEM_LIMIT_IN_MB), unless the user set
+# it: oneDNN's CPU kernels abort the process when an allocation fails (tensorflow/tensorflow#108621), so
+# an out-of-memory error would end the rank with a crash instead of TensorFlow's error and our advice.
+TF_ENABLE_ONEDNN_OPTS = "TF_ENABLE_ONEDNN_OPTS"

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from launcher.config import Recipe
-from lms_core.config import SettingError
+from lms_core.config import SettingError, settings_of
 
 
 class RecipeError(Exception):
@@ -84,7 +84,9 @@ def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    return dataclasses.asdict(recipe)
+    """The recipe as it would be written (the resolved recipe.yaml): what it says, not what was
+    parsed from it, so the dict loads back into the same recipe."""
+    return settings_of(recipe)
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -93,7 +95,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise RecipeError(f"{where}: expected a mapping of keys, got {_describe(raw)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # the others are parsed from these
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:

@@ -6,10 +6,12 @@ categorized topological order (Le et al., ISMM 2019), not in ops.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from lms_core.costs import PROFILES, DeviceProfile
-from lms_core.link import link_named
+from lms_core.link import LinkRates, link_named
 from lms_core.units import parse_bytes
 
 
@@ -22,6 +24,8 @@ class SettingError(ValueError):
         self.key = key
         self.rule = rule
 
+
+STRATEGIES = ("auto", "distance", "access-order")
 
 SYNC_MODES = {
     0: "asynchronous: nothing waits for a copy except the consumer of a swap-in",
@@ -48,6 +52,9 @@ class CustomDevice:
     name: str = "custom"
     """What logs and plans call the profile."""
 
+    memory_bytes: int = field(init=False, repr=False)
+    """`memory` in bytes, parsed once."""
+
     def __post_init__(self) -> None:
         missing = [key for key in ("tflops", "memory_gb_per_s", "memory") if getattr(self, key) is None]
         if missing:
@@ -56,13 +63,10 @@ class CustomDevice:
         for key in ("tflops", "memory_gb_per_s"):
             if getattr(self, key) <= 0:
                 raise SettingError(key, f"must be > 0, got {getattr(self, key)}")
-        try:
-            parse_bytes(self.memory)
-        except ValueError as err:
-            raise SettingError("memory", str(err)) from None
+        self.memory_bytes = _bytes("memory", self.memory)
 
     def profile(self) -> DeviceProfile:
-        return DeviceProfile(self.name, self.tflops * 1e12, self.memory_gb_per_s * 1e9, parse_bytes(self.memory))
+        return DeviceProfile(self.name, self.tflops * 1e12, self.memory_gb_per_s * 1e9, self.memory_bytes)
 
 
 @dataclass
@@ -73,8 +77,15 @@ class LMSConfig:
     """Rewrite each rank's training step so long-lived activations are swapped to host memory."""
 
     mode: str = "auto"
-    """`auto`: each rank's auto-tuner picks swapout_threshold, swapin_ahead, swapin_groupby and
-    sync_mode for its own link and device by simulation; `manual`: the values below are used as given."""
+    """`auto`: each rank plans for its own link and device by simulation (see `strategy`); `manual`:
+    the values below are used as given."""
+
+    strategy: str = "auto"
+    """How tensors are chosen. `distance`: TFLMS's rules (the four knobs below; tuned in mode auto).
+    `access-order`: from each tensor's reads on the simulated schedule, just enough of them to meet
+    the device budget, each brought back as late as the link allows (lms_core/access_order.py; needs
+    a target, so mode auto). `auto`: in mode auto both are planned and the faster plan that fits is
+    kept, per rank; in mode manual, `distance`."""
 
     swapout_threshold: int = 8
     """Swap a forward tensor out only for backward consumers at least this many levels after its
@@ -154,6 +165,22 @@ class LMSConfig:
     host_memory_ratio: float = 0.8
     """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""
 
+    # Parsed once from the settings above when the config is made; nothing downstream parses them again.
+    link_rates: LinkRates | None = field(init=False, repr=False)
+    """`link` as rates; None for `auto` (NVML decides on a GPU, launcher.lms.target)."""
+
+    link_fallback_rates: LinkRates = field(init=False, repr=False)
+    """`link_fallback` as rates."""
+
+    rank_link_rates: tuple[LinkRates, ...] = field(init=False, repr=False)
+    """`rank_links` as rates, rank 0 first."""
+
+    device_memory_bytes: int | None = field(init=False, repr=False)
+    """`device_memory` in bytes; None: the GPU's own, or the device profile's."""
+
+    host_memory_bytes: int | None = field(init=False, repr=False)
+    """`host_memory` in bytes; None: this machine's RAM."""
+
     def __post_init__(self) -> None:
         if self.swapout_threshold < 1:
             raise SettingError("swapout_threshold", f"must be >= 1 level, got {self.swapout_threshold}")
@@ -167,25 +194,52 @@ class LMSConfig:
             raise SettingError("min_tensor_bytes", f"must be >= 0, got {self.min_tensor_bytes}")
         if self.mode not in ("auto", "manual"):
             raise SettingError("mode", f"must be auto or manual, got {self.mode!r}")
-        for key, value in [("link", self.link), ("link_fallback", self.link_fallback),
-                           *((f"rank_links[{i}]", v) for i, v in enumerate(self.rank_links))]:
-            if value == "auto" and key != "link_fallback":
-                continue
-            try:
-                link_named(value)
-            except ValueError as err:
-                raise SettingError(key, str(err)) from None
+        if self.strategy not in STRATEGIES:
+            raise SettingError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        self.link_rates = None if self.link == "auto" else _rates("link", self.link)
+        self.link_fallback_rates = _rates("link_fallback", self.link_fallback)
+        self.rank_link_rates = tuple(_rates(f"rank_links[{i}]", v) for i, v in enumerate(self.rank_links))
         if isinstance(self.device, str) and self.device != "auto" and self.device not in PROFILES:
             raise SettingError("device", f"must be auto, one of {', '.join(PROFILES)}, or a custom profile "
                                          f"{{tflops, memory_gb_per_s, memory}}; got {self.device!r}")
         if self.profile_steps < 1:
             raise SettingError("profile_steps", f"must be >= 1, got {self.profile_steps}")
-        for key in ("device_memory", "host_memory"):
-            if getattr(self, key) is not None:
-                try:
-                    parse_bytes(getattr(self, key))
-                except ValueError as err:
-                    raise SettingError(key, str(err)) from None
+        self.device_memory_bytes = _bytes("device_memory", self.device_memory)
+        self.host_memory_bytes = _bytes("host_memory", self.host_memory)
         for key in ("memory_ratio", "host_memory_ratio"):
             if not 0 < getattr(self, key) <= 1:
                 raise SettingError(key, f"must be in (0, 1], got {getattr(self, key)}")
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as given (what a recipe says), without what was parsed from them: a plan's
+        `settings` and the resolved recipe.yaml."""
+        return settings_of(self)
+
+
+def settings_of(config) -> dict[str, Any]:
+    """A config dataclass's settings as given, nested configs likewise: its init fields only, so the
+    values parsed from them stay out (the dict loads back into the same config)."""
+    def plain(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return settings_of(value)
+        if isinstance(value, (list, tuple)):
+            return [plain(item) for item in value]
+        return value
+
+    return {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+
+
+def _rates(key: str, spec: str | float) -> LinkRates:
+    try:
+        return link_named(spec)
+    except ValueError as err:
+        raise SettingError(key, str(err)) from None
+
+
+def _bytes(key: str, size: int | str | None) -> int | None:
+    if size is None:
+        return None
+    try:
+        return parse_bytes(size)
+    except ValueError as err:
+        raise SettingError(key, str(err)) from None

@@ -60,6 +60,7 @@ class Graph:
     def __init__(self, ops: Iterable[Op], outputs: list[str]):
         self.ops: dict[str, Op] = {op.name: op for op in ops}
         self.outputs = list(outputs)  # the step's fetched tensors (the loss, ...)
+        self.analyses: set[str] = set()  # the annotations passes have written (lms_core.passes.run_passes)
         self._data_consumers: dict[str, list[tuple[str, int]]] = {}  # tensor -> [(consumer op, input slot)]
         self._control_consumers: dict[str, list[str]] = {}
         for op in self.ops.values():

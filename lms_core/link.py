@@ -10,8 +10,8 @@ Named links carry effective rates (what pinned `cudaMemcpyAsync` reaches, not th
 | nvlink2 | 68 | 68 | POWER9 + V100 over NVLink 2.0 (3 bricks, 75 GB/s raw), ~68 GB/s measured (the LMS papers' AC922) |
 | c2c | 375 | 297 | Grace Hopper NVLink-C2C (450 GB/s per direction raw), measured H2D 375 / D2H 297 |
 
-A number (GB/s) sets both directions. `auto` asks NVML on a GPU; without one it falls back to the
-recipe's `lms.link_fallback` and says so.
+A number (GB/s) sets both directions. `auto` asks NVML on a GPU (lms_core.nvml); without one it
+falls back to the recipe's `lms.link_fallback` and says so (launcher.lms.target chooses).
 """
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ _PCIE_BY_GENERATION = {3: "pcie3", 4: "pcie4", 5: "pcie5"}
 
 
 def link_named(spec: str | float) -> LinkRates:
-    """`pcie4` or a number of GB/s -> rates. Raises ValueError naming the valid choices."""
+    """`pcie4`, or a number of GB/s (also as text: `25` or `25GB/s`, as its name reads) -> rates.
+    Raises ValueError naming the valid choices."""
+    if isinstance(spec, str):
+        try:  # "25" from a flag, or "25GB/s" as a stated rate's name reads
+            spec = float(spec.removesuffix("GB/s"))
+        except ValueError:
+            pass
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         if spec <= 0:
             raise ValueError(f"a link rate must be > 0 GB/s; got {spec}")
@@ -63,52 +69,3 @@ def pcie_link(generation: int, width: int) -> LinkRates:
     scale = min(width, 16) / 16
     return LinkRates(f"pcie{generation}x{width}", base.h2d_bytes_per_s * scale, base.d2h_bytes_per_s * scale,
                      f"NVML: PCIe gen{generation} x{width}")
-
-
-def detect_link(gpu_index: int) -> LinkRates | None:
-    """The link of GPU `gpu_index` from NVML: NVLink to the CPU when a link's remote end is the CPU
-    (POWER9, Grace), else PCIe generation and width. None without a GPU, driver or NVML."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return None
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-        name = pynvml.nvmlDeviceGetName(handle)
-        name = name.decode() if isinstance(name, bytes) else name
-        if "GH200" in name or "GB200" in name:
-            return NAMED_LINKS["c2c"]
-        cpu_links = 0
-        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-            try:
-                remote = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
-            except Exception:
-                continue
-            if remote == getattr(pynvml, "NVML_NVLINK_DEVICE_TYPE_IBMNPU", 1):
-                cpu_links += 1
-        if cpu_links:
-            return NAMED_LINKS["nvlink2"]
-        generation = pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
-        width = pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
-        return pcie_link(int(generation), int(width))
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def resolve_link(spec: str | float, fallback: str | float, gpu_index: int | None) -> tuple[LinkRates, str]:
-    """The rank's link and a line saying where it came from."""
-    if spec != "auto":
-        rates = link_named(spec)
-        return rates, f"link {rates.describe()}"
-    detected = detect_link(gpu_index) if gpu_index is not None else None
-    if detected is not None:
-        return detected, f"link (detected) {detected.describe()}"
-    rates = link_named(fallback)
-    why = "no GPU" if gpu_index is None else "NVML could not tell"
-    return rates, f"link auto: {why}, so the recipe's lms.link_fallback: {rates.describe()}"

@@ -1,7 +1,6 @@
 """A swap plan: plain data, deterministic for the same graph and settings, JSON-serializable."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,33 +52,28 @@ class Skip:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    settings: dict[str, Any]
+    """What the planner decided, and nothing else: which tensors are swapped and when each comes
+    back, which were left and why, and the order imposed on the backward pass. Made whole by the
+    planner (lms_core.planner, lms_core.planning) and never filled in later; what is found out
+    about it (prediction, estimate, verification) is lms_core.report's."""
+
+    settings: dict[str, Any]  # the LMS settings the plan was made with (LMSConfig.settings())
     swaps: list[Swap] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)  # tensors that would qualify but cannot be swapped
     skipped_small: int = 0  # distant tensors under lms.min_tensor_bytes (counted, not listed)
     control_edges: list[ControlEdge] = field(default_factory=list)  # lms.serialize_branches: the order imposed
     ops: int = 0
     levels: int = 0
-    # Filled by the TensorFlow layer when it estimates memory (lms_core.tf.estimate):
-    estimated_peak_bytes: dict[str, int | None] = field(default_factory=dict)  # "baseline", "lms"
-    estimated_host_bytes: int | None = None
-    device_memory_bytes: int | None = None
-    # Filled when the plan is made for a target (link, device): the simulator's prediction.
-    link: str | None = None
-    device_profile: str | None = None
-    cost_model: str | None = None  # where the op times came from: the roofline model or profiler measurements
-    prediction: dict[str, Any] = field(default_factory=dict)
-    tuning: str | None = None  # the auto-tuner's summary when lms.mode is auto
-    warnings: list[str] = field(default_factory=list)
-    # Filled by the TensorFlow layer's gating check (lms_core.tf.gating): how many swap-ins wait for
-    # their trigger in the partition graphs TensorFlow executed, which did not, and on which devices.
-    verification: dict[str, Any] = field(default_factory=dict)
 
     @property
     def swapped_bytes(self) -> int:
         return sum(s.nbytes for s in self.swaps)
+
+    @property
+    def swap_in_count(self) -> int:
+        return sum(len(s.swap_ins) for s in self.swaps)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -87,14 +81,10 @@ class Plan:
         data["swap_count"] = len(self.swaps)
         return data
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
     def summary(self) -> str:
         ordered = f"; {len(self.control_edges)} control edge(s) serialize the backward branches" if self.control_edges else ""
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
                     f"see 'skipped' for the reasons){ordered}")
-        swap_ins = sum(len(s.swap_ins) for s in self.swaps)
         return (f"LMS plan: {len(self.swaps)} tensor(s) swapped, {self.swapped_bytes / 2**20:.1f} MiB, "
-                f"{swap_ins} swap-in(s); {len(self.skipped)} skipped{ordered}")
+                f"{self.swap_in_count} swap-in(s); {len(self.skipped)} skipped{ordered}")

@@ -10,11 +10,10 @@ read is not made: both copies would be resident at once, and the swap would cost
 """
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from lms_core.config import LMSConfig
 from lms_core.graph import BACKWARD, FORWARD, Graph, Op, once_per_graph, tensor_name
-from lms_core.plan import Plan, Skip, Swap, SwapIn
+from lms_core.passes.pipeline import PLANNER_REQUIRES
+from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
 
 # Never swapped, whatever their size: variables are already resident and updated in place,
 # constants and shape metadata are tiny or live on the host.
@@ -59,16 +58,20 @@ def on_other_device(device: str, compute_device: str) -> bool:
     return kind != compute_kind or bool(index and compute_index and index != compute_index)
 
 
-def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset()
-               ) -> Plan:
+def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
+               control_edges: list[ControlEdge] = ()) -> Plan:
     """Requires `category`, `level` and `region` on every op (lms_core.passes.pipeline.analyze).
     `data_inputs` names the step's input placeholders (the batch): they live from the first forward op
-    to the last backward one, so they are candidates like forward activations."""
-    plan = Plan(settings=asdict(config), ops=len(graph),
-                levels=1 + max((op.level for op in graph.ops.values()), default=-1))
+    to the last backward one, so they are candidates like forward activations. `control_edges` is the
+    order already imposed on `graph` (lms_core.serialize), recorded in the plan."""
+    missing = PLANNER_REQUIRES - graph.analyses
+    if missing:
+        raise ValueError(f"the planner needs {', '.join(sorted(missing))} on every op: analyse the graph first "
+                         f"(lms_core.passes.pipeline.analyze)")
+    swaps, skipped, small = [], [], 0
     for name in graph.order:
         producer = graph[name]
-        phase = _phase(producer, name in data_inputs, config)
+        phase = swap_phase(producer, name in data_inputs, config)
         if phase is None:
             continue
         for index, info in enumerate(producer.outputs):
@@ -80,40 +83,55 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
                          key=lambda c: (c.level, c.name))
             if not far:
                 continue
-            reason = _reason_not_to_swap(producer, info, far, config, compute_device)
-            if reason == "small":
-                plan.skipped_small += 1
+            reason = reason_not_to_swap(producer, info, far, config, compute_device)
+            if reason is None and info.nbytes < config.min_tensor_bytes:
+                small += 1  # counted, not listed: a step has thousands
                 continue
-            if reason:
-                plan.skipped.append(Skip(tensor, info.nbytes, reason))
-                continue
-            swap_ins = _plan_swap_ins(graph, producer, index, far, config)
-            if isinstance(swap_ins, str):
-                plan.skipped.append(Skip(tensor, info.nbytes, swap_ins))
+            if reason is None:
+                try:
+                    swap_ins = _plan_swap_ins(graph, producer, index, far, config)
+                except _CannotSwap as cannot:
+                    reason = cannot.reason
+            if reason is None:
+                reason = _early_swap_in(consumers, far, producer, swap_ins)
+            if reason is not None:
+                skipped.append(Skip(tensor, info.nbytes, reason))
                 continue
             far_names = {c.name for c in far}
             near = [c for c, _ in consumers if c.name not in far_names and c.type not in SHAPE_ONLY_TYPES]
-            last_near = max((c.level for c in near), default=producer.level)
-            early = next((s for s in swap_ins if s.trigger_level <= last_near), None)
-            if early is not None:
-                # The copy would come back while the original is still on the device (it has a reader at
-                # that level or later): two copies at once, more memory than without the swap.
-                plan.skipped.append(Skip(tensor, info.nbytes, (
-                    f"its swap-in would start at level {early.trigger_level}, while the original is still read at "
-                    f"level {last_near}: both copies would be on the device at once (a smaller lms.swapin_ahead brings "
-                    f"it back later)")))
-                continue
-            waiters = []
-            if config.sync_mode in (1, 3):
-                waiters = sorted({c.name for c in near if c.category == phase})
-            plan.swaps.append(Swap(
+            waiters = sorted({c.name for c in near if c.category == phase}) if config.sync_mode in (1, 3) else []
+            swaps.append(Swap(
                 tensor=tensor, producer_type=producer.type, shape=list(info.shape), dtype=info.dtype,
                 nbytes=info.nbytes, producer_level=producer.level, swap_out=f"lms/swapout_{name}_{index}",
                 swap_ins=swap_ins, waiters=waiters))
-    return plan
+    return Plan(settings=dict(config.settings(), strategy="distance"), swaps=swaps, skipped=skipped, skipped_small=small,
+                control_edges=list(control_edges), ops=len(graph),
+                levels=1 + max((op.level for op in graph.ops.values()), default=-1))
 
 
-def _phase(producer: Op, is_data_input: bool, config: LMSConfig) -> str | None:
+class _CannotSwap(Exception):
+    """A tensor that qualifies cannot be swapped; `reason` says why (it goes into `Plan.skipped`)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _early_swap_in(consumers, far: list[Op], producer: Op, swap_ins: list[SwapIn]) -> str | None:
+    """Why not to swap when a copy would come back while the original is still on the device (it
+    has a reader at that level or later): two copies at once, more memory than without the swap."""
+    far_names = {c.name for c in far}
+    near = [c for c, _ in consumers if c.name not in far_names and c.type not in SHAPE_ONLY_TYPES]
+    last_near = max((c.level for c in near), default=producer.level)
+    early = next((s for s in swap_ins if s.trigger_level <= last_near), None)
+    if early is None:
+        return None
+    return (f"its swap-in would start at level {early.trigger_level}, while the original is still read at "
+            f"level {last_near}: both copies would be on the device at once (a smaller lms.swapin_ahead brings "
+            f"it back later)")
+
+
+def swap_phase(producer: Op, is_data_input: bool, config: LMSConfig) -> str | None:
     """The pass whose tensors `producer` makes, if they may be swapped: the forward pass's (the
     batch counts as forward), the backward pass's with `lms.swap_backward`, or None."""
     if producer.category == FORWARD or is_data_input:
@@ -123,7 +141,9 @@ def _phase(producer: Op, is_data_input: bool, config: LMSConfig) -> str | None:
     return None
 
 
-def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_device: str) -> str | None:
+def reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, compute_device: str) -> str | None:
+    """Why a tensor with far backward readers is not a swap candidate, or None when it is (its size
+    is judged apart: a tensor under lms.min_tensor_bytes is counted, not listed)."""
     if producer.type in NEVER_SWAPPED_TYPES and producer.category == FORWARD:
         return f"{producer.type} output: variables, constants and shape metadata are never swapped"
     if producer.region is not None:
@@ -148,9 +168,7 @@ def _reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, co
     scope = next((s for s in config.exclude_scopes if producer.name.startswith(s)), None)
     if scope is not None:
         return f"in lms.exclude_scopes ({scope})"
-    if info.nbytes < config.min_tensor_bytes:
-        return "small"
-    if info.dtype in HOST_RESIDENT_DTYPES:
+    if info.dtype in HOST_RESIDENT_DTYPES and info.nbytes >= config.min_tensor_bytes:
         return f"{info.dtype}: TensorFlow keeps int32 tensors of GPU ops in host memory already"
     return None
 
@@ -167,7 +185,8 @@ def constant_ops(graph: Graph) -> frozenset[str]:
     return frozenset(constant)
 
 
-def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn] | str:
+def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn]:
+    """One swap-in per group of far consumers; raises _CannotSwap when a group has no trigger."""
     groups: list[list[Op]] = []
     for consumer in far:
         if groups and consumer.level - groups[-1][0].level <= config.swapin_groupby:
@@ -180,7 +199,7 @@ def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config
         target = first.level - max(1, config.swapin_ahead)
         trigger = find_trigger(graph, first, target)
         if trigger is None:
-            return f"no backward op that depends on data runs before {first.name} to start its swap-in"
+            raise _CannotSwap(f"no backward op that depends on data runs before {first.name} to start its swap-in")
         waiters = []
         if config.sync_mode in (2, 3):
             # The trigger's backward successors wait for the copy, so it is done before they start.
@@ -198,7 +217,7 @@ def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
     folded constant nor inside v1 control flow (a control edge out of a loop frame is illegal), until
     at or below `target_level`. Levels fall strictly along the walk, so the
     trigger can never depend on the swap-in it starts (no cycle)."""
-    latest = _latest_backward_inputs(graph)
+    latest = latest_backward_inputs(graph)
     current = consumer.name
     while graph[current].level > target_level and latest[current] is not None:
         current = latest[current]
@@ -206,7 +225,7 @@ def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
 
 
 @once_per_graph
-def _latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
+def latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
     """For every op, the input `find_trigger` steps back to: its backward predecessor of the highest
     level (then name) that is neither a folded constant nor inside v1 control flow; None if none.
     Found once per graph, so a walk back over hundreds of levels costs one lookup per level."""

@@ -1,7 +1,8 @@
 """From an analysed step graph and a rank's hardware to a plan: the framework-neutral half of a rewrite.
 
     planning = plan_graph(graph, config, compute_device, data_inputs, target)
-    planning.plan          # what is swapped (lms_core.plan), with the prediction when there is a target
+    planning.plan          # what is swapped (lms_core.plan)
+    planning.report        # the plan with its target and the simulator's prediction (lms_core.report)
     planning.simulation    # the simulator's replay of that plan on the target's link and device
 
 `lms_core.tf` traces and applies; this module decides. `lms.mode` is decided here and nowhere else
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lms_core.access_order import AccessOrderResult, Schedule, lower_bound_s, plan_access_order
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
-from lms_core.plan import ControlEdge, Plan
+from lms_core.plan import Plan
 from lms_core.planner import plan_swaps
+from lms_core.report import PlannedFor, PlanReport, Prediction
 from lms_core.serialize import order_edges, with_control_edges
 from lms_core.simulator import SimulationResult, simulate
-from lms_core.tuner import TuningResult, tune
+from lms_core.tuner import TuningResult, plan_warnings, tune
+from lms_core.units import format_bytes
 
 
 @dataclass
@@ -35,16 +39,21 @@ class Target:
     measured_op_seconds: dict[str, float] | None = None  # from the profiler (lms.measure_ops), by op name
 
 
-@dataclass
+@dataclass(frozen=True)
 class Planning:
     """A plan and what stands behind it."""
 
     graph: Graph  # the analysed IR the plan was made on (with the backward order, if one was imposed)
-    plan: Plan
+    report: PlanReport  # the plan, and when planned for a target, that target and the prediction
     tuning: TuningResult | None = None  # when the tuner chose the settings
     simulation: SimulationResult | None = None  # the prediction for the plan, when planned for a target
     costs: dict[str, float] | None = None  # seconds per op the simulation used, when planned for a target
     traced: Graph | None = None  # the step's IR as traced, without the order: what runs without LMS
+    access_order: AccessOrderResult | None = None  # when the access-order planner made the plan
+
+    @property
+    def plan(self) -> Plan:
+        return self.report.plan
 
 
 def tunes(config: LMSConfig, target: Target | None) -> bool:
@@ -62,29 +71,75 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     if config.serialize_branches:
         edges = order_edges(graph, max(1, config.min_tensor_bytes))
         graph = with_control_edges(graph, edges)
-    planning = _plan(graph, config, compute_device, data_inputs, target)
-    planning.plan.control_edges, planning.traced = edges, traced
-    return planning
-
-
-def _plan(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
-          target: Target | None) -> Planning:
     if target is None:
-        return Planning(graph, plan_swaps(graph, config, compute_device, data_inputs))
+        plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
+        return Planning(graph, PlanReport(plan), traced=traced)
+    return _plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges)
+
+
+def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
+                     target: Target, traced: Graph, edges: list) -> Planning:
+    """The plan of the strategy (or, asked to choose, the better of both) for `target`, replayed."""
     costs, cost_model = op_costs(graph, target)
-    if tunes(config, target):
-        tuning = tune(graph, costs, target.link, int(target.device_memory_bytes * config.memory_ratio),
-                      int(target.host_memory_bytes * config.host_memory_ratio), config, compute_device, data_inputs)
-        plan, simulation, unlimited = tuning.plan, tuning.simulation, tuning.unlimited
-        plan.tuning, plan.warnings = tuning.describe(), list(tuning.warnings)
-    else:
-        tuning = None
-        plan = plan_swaps(graph, config, compute_device, data_inputs)
-        simulation = simulate(graph, plan, costs, target.link)
-        unlimited = simulate(graph, Plan(settings=plan.settings), costs, target.link)
-    plan.link, plan.device_profile, plan.cost_model = target.link.describe(), target.device.describe(), cost_model
-    plan.prediction = prediction(simulation, unlimited)
-    return Planning(graph, plan, tuning, simulation, costs)
+    device_budget = int(target.device_memory_bytes * config.memory_ratio)
+    host_budget = int(target.host_memory_bytes * config.host_memory_ratio)
+    unlimited = simulate(graph, Plan(settings=config.settings()), costs, target.link, keep_events=True)
+    options = []
+    if strategies(config) & {"distance"}:
+        if tunes(config, target):
+            tuning = tune(graph, costs, target.link, device_budget, host_budget, config, compute_device, data_inputs,
+                          control_edges=edges)
+            options.append(_Option(tuning.plan, tuning.simulation, tuning.describe(), tuple(tuning.warnings),
+                                   tuning=tuning))
+        else:
+            plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
+            simulation = simulate(graph, plan, costs, target.link)
+            options.append(_Option(plan, simulation, None, tuple(plan_warnings(
+                plan, simulation, unlimited, target.link, device_budget, host_budget))))
+    if strategies(config) & {"access-order"}:
+        ordered = plan_access_order(graph, config, costs, target.link, device_budget, compute_device, data_inputs,
+                                    edges, unswapped=unlimited)
+        options.append(_Option(ordered.plan, ordered.simulation, ordered.describe(), tuple(plan_warnings(
+            ordered.plan, ordered.simulation, unlimited, target.link, device_budget, host_budget)),
+            access_order=ordered))
+    chosen = min(options, key=lambda option: option.rank(device_budget, host_budget))
+    bound_s, _ = lower_bound_s(Schedule(graph, unlimited), target.link, device_budget)
+    text = chosen.text
+    if len(options) > 1:
+        other = next(option for option in options if option is not chosen)
+        text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
+                f"{other.simulation.step_time_s * 1000:.0f} ms, peak {format_bytes(other.simulation.peak_device_bytes)}")
+    report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
+                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings)
+    return Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
+
+
+def strategies(config: LMSConfig) -> set[str]:
+    """The planners `lms.strategy` asks for: both for `auto` when tuning, else the one named
+    (`auto` in mode manual is the distance planner with the knobs as given)."""
+    if config.strategy == "auto":
+        return {"distance", "access-order"} if config.mode == "auto" else {"distance"}
+    return {config.strategy}
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One strategy's plan and its replay."""
+
+    plan: Plan
+    simulation: SimulationResult
+    text: str | None
+    warnings: tuple[str, ...]
+    tuning: TuningResult | None = None
+    access_order: AccessOrderResult | None = None
+
+    def rank(self, device_budget: int, host_budget: int) -> tuple:
+        """Fitting beats not fitting; among fitting plans the faster. Among the others the lower
+        device peak, unless the two are within 1% of the budget of each other: then the faster."""
+        sim = self.simulation
+        if sim.peak_device_bytes <= device_budget and sim.peak_host_bytes <= host_budget:
+            return (0, sim.step_time_s)
+        return (1, sim.peak_device_bytes // max(1, device_budget // 100), sim.step_time_s)
 
 
 def op_costs(graph: Graph, target: Target) -> tuple[dict[str, float], str]:
@@ -96,12 +151,10 @@ def op_costs(graph: Graph, target: Target) -> tuple[dict[str, float], str]:
     return step_costs(graph, target.device), f"costs: roofline model of {target.device.name}"
 
 
-def prediction(simulation: SimulationResult, unlimited: SimulationResult) -> dict[str, float | int]:
-    """The plan's `prediction` field: the simulator's figures for the plan, and the unswapped step time."""
-    return {
-        "peak_device_bytes": simulation.peak_device_bytes, "peak_host_bytes": simulation.peak_host_bytes,
-        "step_time_s": simulation.step_time_s, "unlimited_step_time_s": unlimited.step_time_s,
-        "stall_time_s": simulation.stall_time_s, "transfer_time_s": simulation.transfer_time_s,
-        "hidden_share": simulation.hidden_share,
-    }
-
+def prediction(simulation: SimulationResult, unlimited: SimulationResult, bound_s: float = 0.0) -> Prediction:
+    """The simulator's figures for the plan, the unswapped step time, and the bound."""
+    return Prediction(
+        peak_device_bytes=simulation.peak_device_bytes, peak_host_bytes=simulation.peak_host_bytes,
+        step_time_s=simulation.step_time_s, unlimited_step_time_s=unlimited.step_time_s,
+        stall_time_s=simulation.stall_time_s, transfer_time_s=simulation.transfer_time_s,
+        hidden_share=simulation.hidden_share, bound_s=bound_s, traffic_bytes=simulation.traffic_bytes)

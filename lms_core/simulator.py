@@ -13,7 +13,8 @@ stalls the stream. Copies take bytes / link rate; with an infinite link they tak
 Grappler's model, and the two estimates can be compared.
 
 Predicts peak device and host memory, step time, stall time, the share of transfer time hidden behind
-compute, and device memory per level.
+compute, and device memory per level; on request (`keep_events`), every device allocation and release
+in the order applied, for lms_core.memory (buffer lifetimes, allocator and pool models).
 """
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ from lms_core.plan import Plan
 ALLOC, FREE, ALLOC_AFTER_COPY = 0, 1, 2
 
 
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One change of device memory, as the simulator applies it (sorted by time, then phase)."""
+
+    time: float
+    phase: int  # ALLOC, FREE or ALLOC_AFTER_COPY: the order of events at one instant
+    nbytes: int  # > 0 allocated, < 0 released
+    buffer: str  # a tensor ("op:index") or a swap-in (its copy back's device buffer)
+    op_index: int  # in `SimulationResult.executed`: the op the replay was running when it recorded the
+    # event (the producer; the last reader that released it; for a copy, the op that started it)
+
+
 @dataclass
 class SimulationResult:
     peak_device_bytes: int
@@ -41,12 +54,16 @@ class SimulationResult:
     transfer_time_s: float  # D2H + H2D copy time, summed
     hidden_share: float  # share of transfer time overlapped with compute (1.0: fully hidden)
     swapped_bytes: int
+    traffic_bytes: int  # moved over the link: each swap out, and each copy back
     forward_time_s: float  # when the loss was computed
     device_by_level: list[tuple[int, int]] = field(default_factory=list)  # (level, max device bytes)
     d2h_busy: list[tuple[float, float]] = field(default_factory=list)  # copy intervals (start, end)
     h2d_busy: list[tuple[float, float]] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, device bytes) after each change
     resident_at_peak: list[tuple[str, int]] = field(default_factory=list)  # the largest buffers at the peak
+    # With keep_events: the ops in the order they ran, (op, start, end), and the device memory events.
+    executed: list[tuple[str, float, float]] | None = None
+    memory_events: list[MemoryEvent] | None = None
 
 
 class CopyQueue:
@@ -108,7 +125,7 @@ class PlanRoutes:
     swap_of: dict[str, object] = field(default_factory=dict)  # swapped tensor -> its Swap
     swap_in_of: dict[str, object] = field(default_factory=dict)  # swap-in name -> its Swap
     triggers: dict[str, list[str]] = field(default_factory=dict)  # op -> swap-ins it starts
-    waiters_out: dict[str, str] = field(default_factory=dict)  # forward op -> tensor whose swap-out it waits for
+    waiters_out: dict[str, list[str]] = field(default_factory=dict)  # op -> tensors whose swap-outs it waits for
     waiters_in: dict[str, list[str]] = field(default_factory=dict)  # op -> swap-ins it waits for
 
 
@@ -127,18 +144,24 @@ def plan_routes(plan: Plan) -> PlanRoutes:
                     routes.waiters_in.setdefault(waiter, []).append(swap_in.name)
         if sync in (1, 3):
             for waiter in swap.waiters:
-                routes.waiters_out[waiter] = swap.tensor
+                routes.waiters_out.setdefault(waiter, []).append(swap.tensor)
     return routes
 
 
 def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates, persistent_bytes: int = 0,
-             keep_timeline: bool = False) -> SimulationResult:
+             keep_timeline: bool = False, keep_events: bool = False) -> SimulationResult:
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
-    need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does."""
+    need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does.
+    `keep_events` fills `executed` and `memory_events`."""
     replay = _Replay(graph, plan, costs, link)
     replay.run()
-    return replay.result(persistent_bytes, keep_timeline)
+    result = replay.result(persistent_bytes, keep_timeline)
+    if keep_events:
+        result.executed = list(replay.executed)
+        result.memory_events = [MemoryEvent(time, phase, delta, buffer, op_index) for (time, phase, delta, buffer), op_index
+                                in sorted(zip(replay.events, replay.event_ops))]
+    return result
 
 
 class _Replay:
@@ -151,6 +174,8 @@ class _Replay:
         self.refs, self.nbytes = self._device_readers()
         self.last_end: dict[str, float] = {}
         self.events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
+        self.event_ops: list[int] = []  # for each event, the index in `executed` of the op that recorded it
+        self.executed: list[tuple[str, float, float]] = []  # (op, start, end) in the order run
         self.host_events: list[tuple[float, int, int, str]] = []
         self.end: dict[str, float] = {}
         self.swapped_out_at: dict[str, float] = {}
@@ -161,6 +186,7 @@ class _Replay:
         self.forward_end: float | None = None
         self.op_end_times: list[tuple[float, int]] = []
         self.parked: dict[str, list[str]] = {}  # swap-in not started yet -> ops that need it
+        self.parked_out: dict[str, list[str]] = {}  # tensor not produced yet -> ops waiting for its swap-out
         self.deferred: dict[str, list[tuple[str, float]]] = {}  # tensor not yet on the host -> (swap-in, trigger end)
         self.pending = dict(self.structure.predecessor_count)
         self.ready_at = {name: 0.0 for name in graph.order}
@@ -194,7 +220,7 @@ class _Replay:
             self._swap_out(name, finish)
             self._swap_in(name, finish)
             self._wake_successors(name, finish)
-        if self.parked or self.deferred or len(self.end) != len(graph.order):
+        if self.parked or self.parked_out or self.deferred or len(self.end) != len(graph.order):
             raise ValueError(f"simulation stalled: {len(graph.order) - len(self.end)} op(s) never ran (a swap-in whose "
                              f"trigger never runs: {sorted(self.parked)[:3]})")
 
@@ -209,9 +235,12 @@ class _Replay:
         if missing is not None:
             self.parked.setdefault(missing, []).append(name)
             return
-        copies = [self.arrival[s] for s in needs]
-        if name in routes.waiters_out:
-            copies.append(self.swapped_out_at[routes.waiters_out[name]])
+        outs = routes.waiters_out.get(name, [])
+        unproduced = next((t for t in outs if t not in self.swapped_out_at), None)
+        if unproduced is not None:  # waits for the copy out of a tensor whose producer has not run yet
+            self.parked_out.setdefault(unproduced, []).append(name)
+            return
+        copies = [self.arrival[s] for s in needs] + [self.swapped_out_at[t] for t in outs]
         copied_at = max(copies, default=-1.0)
         # A copy ends after the op that started it, however fast the link: an op whose last wait is
         # a copy queues behind the ops that became ready at the same instant without one, and its
@@ -221,11 +250,15 @@ class _Replay:
         heapq.heappush(self.queue, (max(self.ready_at[name], copied_at), after_copy, self.graph[name].level,
                                     self.structure.position[name], name))
 
+    def _event(self, time: float, phase: int, delta: int, buffer: str) -> None:
+        self.events.append((time, phase, delta, buffer))
+        self.event_ops.append(len(self.executed) - 1)  # the op being run (appended as it starts)
+
     def _release(self, buffer: str, at: float) -> None:
         self.last_end[buffer] = max(self.last_end.get(buffer, 0.0), at)
         self.refs[buffer] -= 1
         if self.refs[buffer] == 0 and self.nbytes[buffer]:
-            self.events.append((self.last_end[buffer], FREE, -self.nbytes[buffer], buffer))
+            self._event(self.last_end[buffer], FREE, -self.nbytes[buffer], buffer)
 
     def _compute(self, name: str, ready: float, after_copy: int) -> float:
         """Runs `name` on the compute stream: its outputs are allocated as it starts, the inputs it
@@ -234,6 +267,7 @@ class _Replay:
         self.stall += start - self.stream  # the stream idles only while waiting for a copy
         cost = self.costs.get(name, 0.0)
         finish = start + cost
+        self.executed.append((name, start, finish))
         self.stream = finish
         self.compute += cost
         self.end[name] = finish
@@ -241,9 +275,9 @@ class _Replay:
             self.forward_end = finish if self.forward_end is None else max(self.forward_end, finish)
         for tensor, size in self.structure.outputs[name]:
             if size:
-                self.events.append((start, ALLOC_AFTER_COPY if after_copy and start == ready else ALLOC, size, tensor))
+                self._event(start, ALLOC_AFTER_COPY if after_copy and start == ready else ALLOC, size, tensor)
                 if self.refs[tensor] == 0:
-                    self.events.append((finish, FREE, -size, tensor))
+                    self._event(finish, FREE, -size, tensor)
         for tensor in self.structure.inputs[name]:
             buffer = self.routes.reroute.get((name, tensor), tensor)
             if buffer in self.refs:
@@ -263,6 +297,8 @@ class _Replay:
             self._release(tensor, copy_end)
             for swap_in_name, triggered in self.deferred.pop(tensor, []):
                 self._copy_back(swap_in_name, triggered)
+            for waiting in self.parked_out.pop(tensor, []):
+                self._enqueue(waiting)
 
     def _swap_in(self, name: str, finish: float) -> None:
         """Starts the swap-ins `name` triggers: each copy starts when the trigger is done, the value
@@ -278,7 +314,7 @@ class _Replay:
         swap = self.routes.swap_in_of[swap_in_name]
         copy_start, copy_end = self.h2d.copy(max(triggered, self.swapped_out_at[swap.tensor]), swap.nbytes)
         # The copy starts once its trigger has ended, after the buffers the trigger freed as it ended.
-        self.events.append((copy_start, ALLOC_AFTER_COPY, swap.nbytes, swap_in_name))
+        self._event(copy_start, ALLOC_AFTER_COPY, swap.nbytes, swap_in_name)
         self.arrival[swap_in_name] = copy_end
         for waiting in self.parked.pop(swap_in_name, []):
             self._enqueue(waiting)
@@ -305,7 +341,9 @@ class _Replay:
         return SimulationResult(
             peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time,
             compute_time_s=self.compute, stall_time_s=self.stall, transfer_time_s=transfer, hidden_share=hidden,
-            swapped_bytes=self.plan.swapped_bytes, forward_time_s=forward_end, device_by_level=by_level,
+            swapped_bytes=self.plan.swapped_bytes,
+            traffic_bytes=sum(swap.nbytes * (1 + len(swap.swap_ins)) for swap in self.plan.swaps),
+            forward_time_s=forward_end, device_by_level=by_level,
             d2h_busy=d2h.busy, h2d_busy=h2d.busy, timeline=timeline, resident_at_peak=at_peak)
 
 

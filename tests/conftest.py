@@ -1,28 +1,23 @@
-"""Shared fixtures. Tests run with the repository's .venv (scripts/install.sh builds it)."""
+"""pytest's set-up: the allocator and the split CPU devices every test process needs, and the
+`recipe_file` fixture. Shared helpers and paths are in tests/fixtures.py. Tests run with the
+repository's .venv (scripts/install.sh builds it)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-# As in launcher.rank.worker: CPU allocator statistics (peak memory) exist only with the BFC allocator,
+# As in launcher.worker: CPU allocator statistics (peak memory) exist only with the BFC allocator,
 # and TensorFlow reads this once, when the first test imports it.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-REPO = Path(__file__).resolve().parent.parent
-# Two logical CPU devices, as a CPU rank with LMS on has them: the LMS tests run the rewritten step
-# with compute on /device:CPU:1 and host /device:CPU:0, so TensorFlow partitions it across devices
-# with _Send/_Recv pairs as it would for a GPU. It must be set before TensorFlow creates its devices.
-COMPUTE, HOST = "/device:CPU:1", "/device:CPU:0"
-
 
 def pytest_configure(config):
+    # Two logical CPU devices (tests.fixtures.COMPUTE and HOST), before TensorFlow creates its devices.
     from launcher.rank.devices import split_cpu
 
     split_cpu()
-RECIPES = REPO / "recipes"
 
 
 @pytest.fixture
@@ -35,8 +30,3 @@ def recipe_file(tmp_path):
         return path
 
     return write
-
-
-def lms_launch_argv(*args: str) -> list[str]:
-    """`lms-launch ...` as a subprocess, through the same interpreter the tests run in."""
-    return [sys.executable, "-m", "launcher.cli", *args]

@@ -18,7 +18,12 @@ def resnet50() -> tuple[keras.Model, tuple]:
 
 
 def small_unet3d() -> tuple[keras.Model, tuple]:
-    return unet3d([16, 16, 16, 2], classes=3, depth=3, base_filters=4), ((1, 16, 16, 16, 2), (1, 16, 16, 16))
+    """The paper's 3D U-Net (Isensee et al. 2017) with 4 levels from 4 filters at 16^3: instance
+    norm, spatial dropout (its masks come from each layer's seed state, a variable, so two builds
+    with one seed draw the same masks, swapped or not), strided convolutions, nearest upsampling
+    and deep supervision summed over three levels. Labels here are one class per voxel for the
+    generic cross-entropy step; the task's own loss is tested in tests/test_unet3d.py."""
+    return unet3d([16, 16, 16, 2], labels=3, levels=4, base_filters=4), ((1, 16, 16, 16, 2), (1, 16, 16, 16))
 
 
 def dense_block() -> tuple[keras.Model, tuple]:

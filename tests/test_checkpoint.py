@@ -23,9 +23,12 @@ import pytest
 from launcher.rank import checkpoint as ck
 from launcher.config import CheckpointConfig
 from launcher.recipe import RecipeError, load_recipe
-from tests.conftest import REPO, RECIPES, lms_launch_argv
+from launcher.rank.collectives import RankContext
+from tests.fixtures import REPO, RECIPES, lms_launch_argv
 
-TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.depth=2", "--set", "model.base_filters=4",
+ALONE = RankContext(rank=0, size=1, local_rank=0, local_size=1, host="here", device="CPU:0")
+
+TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.levels=2", "--set", "model.base_filters=4",
              "--set", "logging.interval=2", "--set", "lms.enabled=false"]
 
 
@@ -223,13 +226,14 @@ def test_the_training_state_restores_into_a_fresh_model(tmp_path):
     config = CheckpointConfig(dir=str(tmp_path), every_steps=1)
     model, optimizer = small_model_and_optimizer(seed=1)
     train_a_little(model, optimizer, steps=3)
-    ck.Checkpointer(config, model, optimizer, rank=0, size=1, log=None).save(3)
+    ck.Checkpointer(config, model, optimizer, ALONE, log=None).save(3)
     saved = values(model, optimizer)
 
     fresh_model, fresh_optimizer = small_model_and_optimizer(seed=2)
     assert any(not np.array_equal(a, b) for a, b in zip(values(fresh_model, fresh_optimizer), saved))
-    step = ck.restore_on_rank0(config, fresh_model, fresh_optimizer, total_steps=10, resume=True, log=lambda _: None)
-    assert step == 3
+    point = ck.restore_on_rank0(config, fresh_model, fresh_optimizer, total_steps=10, resume=True, ranks=1,
+                                log=lambda _: None)
+    assert point.step == 3
     restored = values(fresh_model, fresh_optimizer)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(restored, saved))
     assert int(fresh_optimizer.iterations.numpy()) == 3  # the learning-rate schedule goes on from here
@@ -241,22 +245,48 @@ def test_resume_refusals_say_what_to_change(tmp_path):
     model, optimizer = small_model_and_optimizer(seed=1)
     quiet = lambda _: None  # noqa: E731
     with pytest.raises(ck.CheckpointError, match="--resume needs checkpoint.dir"):
-        ck.restore_on_rank0(CheckpointConfig(), model, optimizer, 10, resume=True, log=quiet)
+        ck.restore_on_rank0(CheckpointConfig(), model, optimizer, 10, resume=True, ranks=1, log=quiet)
     config = CheckpointConfig(dir=str(tmp_path))
     with pytest.raises(ck.CheckpointError, match="no complete checkpoint in checkpoint.dir"):
-        ck.restore_on_rank0(config, model, optimizer, 10, resume=True, log=quiet)
+        ck.restore_on_rank0(config, model, optimizer, 10, resume=True, ranks=1, log=quiet)
 
-    ck.Checkpointer(config, model, optimizer, rank=0, size=1, log=None).save(10)
+    ck.Checkpointer(config, model, optimizer, ALONE, log=None).save(10)
     # A new run must not prune or later resume another run's checkpoints.
     with pytest.raises(ck.CheckpointError, match="already holds checkpoints .newest: step-00000010.; continue "
                                                  "from it with --resume, or give a new checkpoint.dir"):
-        ck.restore_on_rank0(config, model, optimizer, 10, resume=False, log=quiet)
+        ck.restore_on_rank0(config, model, optimizer, 10, resume=False, ranks=1, log=quiet)
     with pytest.raises(ck.CheckpointError, match="at step 10 and train.steps is 10: nothing left to train"):
-        ck.restore_on_rank0(config, model, optimizer, 10, resume=True, log=quiet)
+        ck.restore_on_rank0(config, model, optimizer, 10, resume=True, ranks=1, log=quiet)
     other_model, other_optimizer = small_model_and_optimizer(seed=1, units=5)
     with pytest.raises(ck.CheckpointError, match=r"model/.*kernel is float32\[4, 3\] in the checkpoint but .* is "
                                                  r"float32\[4, 5\] here"):
-        ck.restore_on_rank0(config, other_model, other_optimizer, 20, resume=True, log=quiet)
+        ck.restore_on_rank0(config, other_model, other_optimizer, 20, resume=True, ranks=1, log=quiet)
+
+
+def test_each_rank_gets_its_own_statistics_back_or_all_the_mean_when_the_ranks_changed(tmp_path):
+    model, optimizer = small_model_and_optimizer(seed=1)
+    train_a_little(model, optimizer, steps=2)  # rank 0's moving statistics move off their initial values
+    own = ck.own_state_variables(model)  # the batch norm's moving mean and variance
+    assert [name.rsplit("/", 1)[-1] for name, _ in own] == ["moving_mean", "moving_variance"]
+    shared = [(name, np.asarray(v.value)) for name, v in ck.state_variables(model, optimizer)]
+    rank1 = [(f"rank1/{name}", np.full(tuple(v.shape), 4.0, np.float32)) for name, v in own]
+    ck.write_checkpoint(tmp_path, 5, shared + rank1, {"ranks": 2})
+    checkpoint = ck.scan(tmp_path)[0][-1]
+    saved = dict(ck.read_tensors(checkpoint))
+    rank0 = [np.asarray(v.value) for _, v in own]
+
+    names = [name for name, _ in own]
+    states, note = ck.saved_own_states(checkpoint, saved, names, ranks=2)
+    assert note == ""
+    assert [a.tobytes() for a in states[0]] == [a.tobytes() for a in rank0]
+    assert all((a == 4.0).all() for a in states[1])
+
+    # Resumed on 3 ranks: no rank's own statistics fit, so every rank starts from the saved ranks' mean.
+    states, note = ck.saved_own_states(checkpoint, saved, names, ranks=3)
+    assert len(states) == 3 and all(state is states[0] for state in states)
+    for got, mine in zip(states[0], rank0):
+        np.testing.assert_array_equal(got, (mine + np.float32(4.0)) / np.float32(2.0))
+    assert "written by 2 rank(s) and this run has 3" in note and "not bit-identical" in note
 
 
 def test_resume_without_a_checkpoint_folder_is_a_usage_error(tmp_path):
@@ -301,14 +331,14 @@ def launch(run_dir, *args: str) -> subprocess.CompletedProcess:
 def model_fingerprint(model) -> str:
     from launcher.rank.training import weights_fingerprint
 
-    return weights_fingerprint(model.variables)
+    return weights_fingerprint(model.weights)
 
 
 def tfrecord_data(tmp_path) -> list[str]:
     """8 volumes in 2 files: 4 batches of 2 per epoch, so 6 steps cross an epoch (and a reshuffle)."""
     data = tmp_path / "data"
     written = subprocess.run(lms_launch_argv("tfrecord", "--kind", "volumes", "--out", str(data), "--synthetic", "8",
-                                             "--shape", "16,16,16,4", "--classes", "4", "--shards", "2"),
+                                             "--shape", "16,16,16,4", "--labels", "3", "--shards", "2"),
                              capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
     return ["--set", "data.source=tfrecord", "--set", f"data.path={data}", "--set", "data.shuffle_buffer=4"]
@@ -351,17 +381,12 @@ def test_six_steps_equal_three_steps_then_resume_for_three(tmp_path, ranks, sour
     full_state = ck.read_tensors(ck.scan(full_dir)[0][-1])
     resumed_state = ck.read_tensors(ck.scan(resumed_dir)[0][-1])
     assert [name for name, _ in resumed_state] == [name for name, _ in full_state]
-    trainable = trainable_names(tmp_path / "full" / "model.keras")
+    # Weights, the optimizer's step counter, its Adam moments, and every rank's own batch-norm
+    # statistics (rank 1's under rank1/): bit for bit.
     for (name, got), (_, want) in zip(resumed_state, full_state):
-        if ranks > 1 and name.startswith("model/") and name.removeprefix("model/") not in trainable:
-            # Batch-norm moving statistics: each rank updates its own, and a checkpoint holds their
-            # mean (what the trained model ends with). The resumed ranks start from that mean, the
-            # uninterrupted ones average at the end: the same sum in another order, so float32
-            # rounding differs by an ulp or so. They feed no gradient (training uses batch statistics).
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, float(np.max(np.abs(want)))))
-        else:
-            # Weights, the optimizer's step counter and its Adam moments: bit for bit.
-            assert got.tobytes() == want.tobytes(), name
+        assert got.tobytes() == want.tobytes(), name
+    own = [name for name, _ in full_state if name.startswith("rank1/")]
+    assert len(own) == (0 if ranks == 1 else len(non_trainable_names(tmp_path / "full" / "model.keras")))
     iteration = dict(full_state)["optimizer/adam/iteration"]
     assert int(iteration) == 6
 
@@ -370,14 +395,16 @@ def test_six_steps_equal_three_steps_then_resume_for_three(tmp_path, ranks, sour
     check_trained_model(tmp_path / "full", full_summary, ranks)
     assert resumed_summary["resumed_from_step"] == 3 and full_summary["resumed_from_step"] is None
     assert resumed_summary["last_checkpoint"] == str(resumed_dir / "step-00000006")
-    if ranks == 1:  # no batch-norm averaging: the whole model is bit-identical
-        assert resumed_summary["ranks"][0]["weights_sha256"] == full_summary["ranks"][0]["weights_sha256"]
+    # Each rank resumed with its own statistics, so the trained model (their mean) is bit-identical too.
+    assert [r["weights_sha256"] for r in resumed_summary["ranks"]] == [r["weights_sha256"] for r in full_summary["ranks"]]
 
 
-def trainable_names(model_path) -> set[str]:
+def non_trainable_names(model_path) -> set[str]:
     import keras
 
-    return {v.path for v in keras.saving.load_model(model_path).trainable_variables}
+    model = keras.saving.load_model(model_path)
+    trainable = {id(v) for v in model.trainable_variables}
+    return {v.path for v in model.variables if id(v) not in trainable}
 
 
 def check_trained_model(run_dir, summary: dict, ranks: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from launcher import cli
 from launcher.launch import spawn
-from tests.conftest import RECIPES, lms_launch_argv
+from tests.fixtures import RECIPES, lms_launch_argv
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ def launch(np, hosts, backend="gloo", cpus=16, user_env=None, as_root=False, loc
 
 
 def test_worker_command_passes_the_recipe_and_overrides_not_a_file_written_by_the_launcher():
-    assert WORKER == ["/venv/bin/python", "-m", "launcher.rank.worker", "/r/resnet.yaml", "--run-dir", "/runs/x",
+    assert WORKER == ["/venv/bin/python", "-m", "launcher.worker", "/r/resnet.yaml", "--run-dir", "/runs/x",
                       "--set", "train.steps=5"]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.fixtures import REPO
 
 SCRIPT = REPO / "scripts" / "docker-check.sh"
 EXIT_CANNOT_USE_DOCKER = 77  # the script's "Docker cannot be used here" status

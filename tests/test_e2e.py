@@ -11,19 +11,19 @@ import subprocess
 
 import pytest
 
-from tests.conftest import RECIPES, lms_launch_argv
+from tests.fixtures import RECIPES, lms_launch_argv
 
 pytestmark = pytest.mark.e2e
 
 TINY_RESNET = ["--set", "model.input_shape=[32,32,3]", "--set", "train.batch_size=4", "--set", "train.steps=10",
                "--set", "train.learning_rate=0.001", "--set", "logging.interval=2"]
-TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.depth=2", "--set", "model.base_filters=4",
+TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.levels=2", "--set", "model.base_filters=4",
              "--set", "train.steps=10", "--set", "logging.interval=2"]
 
 
-def launch(recipe: str, run_dir, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(recipe: str, run_dir, *args: str, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
     argv = lms_launch_argv(str(RECIPES / recipe), "--run-dir", str(run_dir), "--no-progress", *args)
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def read_run(run_dir):
@@ -45,6 +45,23 @@ def check_trained_in_sync(records, summary, ranks: int) -> None:
     for rank in per_rank:
         assert rank["final_loss"] < rank["initial_loss"], f"loss did not decrease on rank {rank['rank']}"
         assert rank["peak_memory_bytes"] > 0 and rank["host_rss_bytes"] > 0
+
+
+def test_one_rank_with_lms_trains_where_horovod_cannot_be_imported(tmp_path):
+    """As on a GPU machine given TensorFlow alone (docs/gpu-bundle.md): a `horovod` package that
+    refuses to import comes first on the path, and one rank, LMS on, still plans, checks and trains."""
+    import os
+
+    broken = tmp_path / "site" / "horovod"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("Horovod is not built on this machine")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))}
+    run_dir = tmp_path / "run"
+    done = launch("unet3d-cpu.yaml", run_dir, "--np", "1", *TINY_UNET, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records, summary = read_run(run_dir)
+    check_trained_in_sync(records, summary, ranks=1)
+    assert "LMS rank 0: swap-ins gated:" in done.stdout
 
 
 def test_resnet50_two_gloo_ranks(tmp_path):
@@ -99,7 +116,7 @@ def test_a_failing_rank_makes_the_launch_fail(tmp_path):
 def test_unet3d_two_ranks_on_tfrecord_files(tmp_path):
     data = tmp_path / "data"
     written = subprocess.run(lms_launch_argv("tfrecord", "--kind", "volumes", "--out", str(data), "--synthetic", "8",
-                                             "--shape", "16,16,16,4", "--classes", "4", "--shards", "2"),
+                                             "--shape", "16,16,16,4", "--labels", "3", "--shards", "2"),
                              capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
     run_dir = tmp_path / "run"

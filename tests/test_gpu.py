@@ -35,11 +35,11 @@ def test_gpu_peak_memory_is_measured_and_reset():
 
 
 def test_the_link_of_a_real_gpu_is_read_from_nvml_and_measured():
-    from lms_core.link import detect_link
+    from lms_core.nvml import probe_gpu
     from lms_core.tf.bandwidth import measure_link
 
-    detected = detect_link(0)
-    assert detected is not None and detected.h2d_bytes_per_s > 1e9
+    gpu = probe_gpu(0)
+    assert gpu is not None and gpu.link is not None and gpu.link.h2d_bytes_per_s > 1e9
     measured = measure_link()
     assert 1e9 < measured.h2d_bytes_per_s < 1e12 and 1e9 < measured.d2h_bytes_per_s < 1e12
 

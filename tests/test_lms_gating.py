@@ -8,15 +8,19 @@ TensorFlow runs as soon as the swap-out is done: the check must fail on it.
 """
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
 import pytest
 import tensorflow as tf
 
 import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
 from lms_core.tf.gating import PartitionedGraph, check_partitions, executed_partitions, verify_gating
+from lms_core.tf.op_profile import profiled
 from lms_core.tf.reimport import IMPORT_SCOPE
-from lms_core.tf.timeline import executed_timeline
-from tests.conftest import COMPUTE, HOST
+from tests.fixtures import COMPUTE, HOST
 from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
 
 SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
@@ -35,8 +39,8 @@ def test_every_swap_in_is_gated_and_the_old_placement_is_not(name):
     report = verify_gating(gated, *batch)
     swap_ins = sum(len(s.swap_ins) for s in gated.plan.swaps)
     assert swap_ins > 0
-    assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.first_failure()
-    assert report.summary().startswith(f"swap-ins gated: {swap_ins}/{swap_ins}")
+    assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.verification().first_failure()
+    assert report.verification().describe().startswith(f"swap-ins gated: {swap_ins}/{swap_ins}")
     # Each swap-in is delivered by a _Recv of its own (a _Recv shared by two swap-ins would bring
     # the value back once, at the earlier trigger), except where Grappler removed every reader of
     # the value: then nothing is copied back at all (2 of the LSTM's 205, 3 of the Transformer's 35).
@@ -47,8 +51,9 @@ def test_every_swap_in_is_gated_and_the_old_placement_is_not(name):
     ungated, batch = rewritten_on_split_devices(name, placement=lms_tf.Placement.UNGATED_ON_COMPUTE)
     before = verify_gating(ungated, *batch)
     assert (before.gated, len(before.gates)) == (0, swap_ins)
-    assert "does not depend on the trigger" in before.first_failure()
-    assert before.to_dict()["ungated"] == [s.name for swap in ungated.plan.swaps for s in swap.swap_ins]
+    verdict = before.verification()
+    assert "does not depend on the trigger" in verdict.first_failure()
+    assert list(verdict.ungated) == [s.name for swap in ungated.plan.swaps for s in swap.swap_ins]
 
 
 def test_verification_restores_every_variable():
@@ -72,7 +77,7 @@ def test_with_one_device_nothing_is_copied_so_nothing_is_gated():
     rewritten = lms_tf.rewrite(step, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=COMPUTE)
     report = verify_gating(rewritten, *batch)
     assert report.gated == 0 and report.gates
-    assert "not received from another device" in report.first_failure()
+    assert "not received from another device" in report.verification().first_failure()
 
 
 def test_sync_mode_3_waiters_wait_until_the_value_is_on_the_compute_device():
@@ -109,7 +114,7 @@ def test_swapin_groupby_0_gives_each_consumer_level_its_own_gated_copy():
     with tf.device(COMPUTE):
         batch = (tf.random.uniform(specs[0].shape), tf.zeros(specs[1].shape, tf.int32))
     report = verify_gating(rewritten, *batch)
-    assert report.all_gated, report.first_failure()
+    assert report.all_gated, report.verification().first_failure()
     by_name = {gate.swap_in: gate for gate in report.gates}
     for swap in several:
         gates = [by_name[s.name] for s in swap.swap_ins]
@@ -182,3 +187,33 @@ def test_the_executor_runs_each_swap_in_after_its_trigger_and_each_consumer_afte
             for consumer in consumers:
                 assert consumer.start_ps >= gate.end_ps, swap_in.name
     assert ordered + unread == sum(len(s.swap_ins) for s in rewritten.plan.swaps) and ordered > 10 * unread
+
+
+# --- the executor's timeline, from TensorFlow's profiler ------------------------------------------
+# The profiler's host tracer at level 3 records every op the executor runs (cheap ones such as
+# `Identity` and `_Recv` included) as an event named `op_name:OpType` on the thread that ran it, with
+# one clock for all threads: the executor's real order.
+
+VERBOSE = 3  # the host tracer level that records inexpensive ops too
+
+
+@dataclass(frozen=True)
+class Span:
+    start_ps: int
+    end_ps: int
+
+
+def executed_timeline(run_step: Callable[[], object]) -> dict[str, list[Span]]:
+    """Runs `run_step` once (it must wait for the step to finish) under the profiler and returns,
+    for every op the executor ran, when each of its runs started and ended."""
+    space = profiled(run_step, steps=1, host_tracer_level=VERBOSE)
+    spans: dict[str, list[Span]] = defaultdict(list)
+    for plane in space.planes:
+        for line in plane.lines:
+            base_ps = line.timestamp_ns * 1000
+            for event in line.events:
+                name, separator, _ = plane.event_metadata[event.metadata_id].name.rpartition(":")
+                if separator:
+                    start = base_ps + event.offset_ps
+                    spans[name].append(Span(start, start + event.duration_ps))
+    return dict(spans)

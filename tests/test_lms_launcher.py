@@ -8,25 +8,29 @@ import json
 import pytest
 
 from launcher import env as ev
-from launcher.lms.host_memory import (HEADROOM, HEADROOM_BYTES, MIB, host_problems, pinned_limit_mb, pinned_limit_problem,
-                                  set_pinned_limit)
+from launcher.lms.host_memory import (HEADROOM_BYTES, MIB, host_problems, pinned_limit_mb, pinned_limit_problem,
+                                       set_pinned_limit)
+from launcher.lms.rank_plan import RankPlan
 from launcher.lms.step import LMSSetupError, plan_problems, prepare_step
+from launcher.rank.collectives import RankContext
+from launcher.rank.training import build_training
 from launcher.recipe import load_recipe
-from launcher.rank.training import RankContext, build_training
 from lms_core.config import LMSConfig
-from tests.conftest import RECIPES
+from lms_core.plan import Plan
+from lms_core.report import MemoryEstimate, PlanReport, Prediction
+from tests.fixtures import RECIPES
 
 GIB = 1 << 30
 # Every activation swapped, each brought back one level ahead: the most swap-ins to check.
 SWAP_ALL = ["lms.enabled=true", "lms.mode=manual", "lms.swapout_threshold=1", "lms.swapin_ahead=1",
-            "lms.min_tensor_bytes=0", "model.input_shape=[8,8,8,2]", "model.depth=2", "model.base_filters=2",
+            "lms.min_tensor_bytes=0", "model.input_shape=[8,8,8,2]", "model.levels=2", "model.base_filters=2",
             "train.batch_size=1"]
 
 
 def prepared(tmp_path, device: str, lines: list[str]):
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml", SWAP_ALL)
     setup = build_training(recipe, ranks=1, device=device)
-    ctx = RankContext(rank=0, size=1, local_rank=0, host="here", device=device)
+    ctx = RankContext(rank=0, size=1, local_rank=0, local_size=1, host="here", device=device)
     return prepare_step(setup.step, setup.specs, recipe.lms, ctx, tmp_path, log=lines.append,
                         variables=list(setup.model.variables) + list(setup.optimizer.variables))
 
@@ -43,7 +47,7 @@ def test_a_rank_on_split_devices_verifies_writes_and_logs_its_plan(tmp_path):
     edges = len(rewritten.plan.control_edges)
     assert edges > 0 and plan["verification"]["control_edges"] == {"kept": edges, "checked": edges, "broken": []}
     assert (f"LMS rank 0: swap-ins gated: {swap_ins}/{swap_ins} (checked on the partition graphs TensorFlow "
-            f"executed, /device:CPU:1 with host /device:CPU:0); backward branches ordered: {edges}/{edges} control "
+            f"executed, on /device:CPU:1 with host /device:CPU:0); backward branches ordered: {edges}/{edges} control "
             f"edges honoured") in lines
     assert any(line.startswith("LMS rank 0: swap inputs:0") for line in lines)  # the swaps are named
 
@@ -73,30 +77,38 @@ def test_the_pinned_memory_cap_covers_the_plan_with_headroom():
     mine = {ev.TF_GPU_HOST_MEM_LIMIT_IN_MB: "4096"}
     assert "(yours)" in set_pinned_limit(mine, LMSConfig(enabled=True), 20 * GIB)
     assert mine[ev.TF_GPU_HOST_MEM_LIMIT_IN_MB] == "4096"  # the user's cap is never changed
-    assert HEADROOM == 1.25
+
+
+def parked(host_bytes: int, by: str = "estimate") -> PlanReport:
+    """A report whose plan parks `host_bytes` on the host, by Grappler's estimate or, where there is
+    none, by the simulator's prediction."""
+    plan = Plan(settings={})
+    if by == "estimate":
+        return PlanReport(plan, estimate=MemoryEstimate(1, 1, host_bytes, 1 << 40))
+    return PlanReport(plan, prediction=Prediction(1, host_bytes, 1.0, 1.0, 0.0, 0.0, 1.0))
+
+
+def rank_plan(rank: int, host: str, report: PlanReport, available: int) -> RankPlan:
+    return RankPlan(rank=rank, host=host, device="GPU:0", report=report, log=(), host_available_bytes=available,
+                    seconds=0.0)
 
 
 def test_a_plan_over_the_pinned_cap_is_refused_with_the_value_to_set():
-    plan = {"rank": 3, "estimated_host_bytes": 10 * GIB}
-    problem = pinned_limit_problem(plan, {ev.TF_GPU_HOST_MEM_LIMIT_IN_MB: "4096"})
+    report = parked(10 * GIB)
+    problem = pinned_limit_problem(report, 3, {ev.TF_GPU_HOST_MEM_LIMIT_IN_MB: "4096"})
     assert problem.startswith("rank 3's LMS plan parks 10.00 GiB in pinned host memory")
     assert "set TF_GPU_HOST_MEM_LIMIT_IN_MB=13824 or more" in problem
-    assert pinned_limit_problem(plan, {ev.TF_GPU_HOST_MEM_LIMIT_IN_MB: "13824"}) is None
-    assert pinned_limit_problem(plan, {}) is None  # no cap set: TensorFlow's default, checked by no one here
+    assert pinned_limit_problem(report, 3, {ev.TF_GPU_HOST_MEM_LIMIT_IN_MB: "13824"}) is None
+    assert pinned_limit_problem(report, 3, {}) is None  # no cap set: TensorFlow's default, checked by no one here
 
 
 def test_a_host_whose_ranks_park_more_than_it_has_is_named():
-    def plan(rank: int, host: str, parked: int, available: int) -> dict:
-        return {"rank": rank, "host": host, "estimated_host_bytes": parked, "host_available_bytes": available,
-                "verification": {"ungated": []}, "pinned_memory_problem": None}
-
-    plans = [plan(0, "a", 6 * GIB, 16 * GIB), plan(1, "a", 6 * GIB, 15 * GIB),  # 12 of 15 GiB: fits
-             plan(2, "b", 9 * GIB, 20 * GIB), plan(3, "b", 12 * GIB, 20 * GIB)]  # 21 of 20 GiB: does not
+    plans = [rank_plan(0, "a", parked(6 * GIB), 16 * GIB), rank_plan(1, "a", parked(6 * GIB), 15 * GIB),  # 12 of 15
+             rank_plan(2, "b", parked(9 * GIB), 20 * GIB), rank_plan(3, "b", parked(12 * GIB), 20 * GIB)]  # 21 of 20
     problems = host_problems(plans)
     assert len(problems) == 1
     assert problems[0].startswith("host b: the LMS plans of rank(s) 2, 3 park 21.00 GiB in host memory, but b has "
                                   "20.00 GiB available")
     assert plan_problems(plans) == problems
     # Without Grappler's estimate, the simulator's prediction is what the plan parks.
-    assert host_problems([{"rank": 0, "host": "c", "prediction": {"peak_host_bytes": 3 * GIB},
-                           "host_available_bytes": 2 * GIB}])
+    assert host_problems([rank_plan(0, "c", parked(3 * GIB, by="prediction"), 2 * GIB)])

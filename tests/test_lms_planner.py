@@ -22,45 +22,7 @@ from lms_core.passes.categorize import CATEGORIZE
 from lms_core.passes.levels import ASSIGN_LEVELS
 from lms_core.passes.pipeline import analyze
 from lms_core.planner import plan_swaps
-
-MIB = 1 << 20
-
-
-def t(mib: float = 4, shape=(16, 64, 64, 16), dtype="float32") -> TensorInfo:
-    return TensorInfo(shape=shape, dtype=dtype, nbytes=None if mib is None else int(mib * MIB))
-
-
-def tiny_step(extra: list[Op] = (), relu_bytes: float | None = 4) -> Graph:
-    ops = [
-        Op("x", "Placeholder", outputs=[t(1)]),
-        Op("w", "ReadVariableOp", inputs=["w_handle:0"], outputs=[t(0.01)]),
-        Op("w_handle", "Placeholder", outputs=[t(None, shape=(), dtype="resource")]),
-        Op("conv", "Conv2D", inputs=["x:0", "w:0"], outputs=[t(4)]),
-        Op("relu", "Relu", inputs=["conv:0"], outputs=[t(relu_bytes)]),
-        Op("pool", "Mean", inputs=["relu:0"], outputs=[t(0.001)]),
-        Op("loss", "Identity", inputs=["pool:0"], outputs=[t(0)]),
-        Op("ones", "Const", outputs=[t(0)]),
-        # The seed meets forward data (as softmax cross-entropy's gradient does), so it is no constant.
-        Op("gradient_tape/pool_grad", "Mul", inputs=["ones:0", "pool:0"], outputs=[t(4)]),
-        Op("gradient_tape/relu_grad", "ReluGrad", inputs=["gradient_tape/pool_grad:0", "relu:0"], outputs=[t(4)]),
-        Op("gradient_tape/shape", "Shape", inputs=["relu:0"], outputs=[t(0)]),
-        Op("gradient_tape/conv_filter_grad", "Conv2DBackpropFilter",
-           inputs=["x:0", "gradient_tape/shape:0", "gradient_tape/relu_grad:0"], outputs=[t(0.01)]),
-        Op("gradient_tape/conv_input_grad", "Conv2DBackpropInput", inputs=["w:0", "gradient_tape/relu_grad:0"],
-           outputs=[t(1)]),
-        # The learning rate is a variable the forward pass never reads (as in Keras): optimizer state.
-        Op("lr_handle", "Placeholder", outputs=[t(None, shape=(), dtype="resource")]),
-        Op("sgd/lr", "ReadVariableOp", inputs=["lr_handle:0"], outputs=[t(0, shape=())]),
-        Op("sgd/mul", "Mul", inputs=["gradient_tape/conv_filter_grad:0", "sgd/lr:0"], outputs=[t(0.01)]),
-        Op("sgd/assign", "AssignSubVariableOp", inputs=["w_handle:0", "sgd/mul:0"]),
-        *extra,
-    ]
-    return Graph(ops, outputs=["loss:0"])
-
-
-def analyzed(graph: Graph) -> Graph:
-    return analyze(graph)
-
+from tests.fixtures import MIB, analyzed, t, tiny_step
 
 def test_categories_come_from_structure_and_the_gradient_scope():
     g = analyzed(tiny_step())
@@ -178,11 +140,16 @@ def test_consumers_within_groupby_levels_share_one_swap_in():
 
 def test_plans_are_deterministic_and_json_serializable():
     config = LMSConfig(swapout_threshold=1, min_tensor_bytes=0)
-    first = plan_swaps(analyzed(tiny_step()), config).to_json()
-    assert first == plan_swaps(analyzed(tiny_step()), config).to_json()
+    first = json.dumps(plan_swaps(analyzed(tiny_step()), config).to_dict())
+    assert first == json.dumps(plan_swaps(analyzed(tiny_step()), config).to_dict())
     data = json.loads(first)
-    assert {"swaps", "swapped_bytes", "settings", "skipped", "estimated_peak_bytes", "estimated_host_bytes"} <= set(data)
+    assert {"swaps", "swapped_bytes", "settings", "skipped", "control_edges"} <= set(data)
     assert data["settings"]["swapout_threshold"] == 1
+
+
+def test_the_planner_refuses_a_graph_no_analysis_has_annotated():
+    with pytest.raises(ValueError, match="the planner needs category, level, region on every op: analyse"):
+        plan_swaps(tiny_step(), LMSConfig())
 
 
 def test_nothing_qualifies_is_said_plainly():

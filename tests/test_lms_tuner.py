@@ -9,8 +9,8 @@ from lms_core.config import CustomDevice, LMSConfig
 from lms_core.costs import PROFILES, op_seconds
 from lms_core.link import NAMED_LINKS, LinkRates
 from lms_core.tuner import tune
-from tests.test_lms_planner import MIB
-from tests.test_lms_simulator import chain_step, conv_graph, unit_costs
+from tests.fixtures import MIB
+from tests.fixtures import chain_step, conv_graph, unit_costs
 
 BASE = LMSConfig(enabled=True, min_tensor_bytes=MIB)
 SLOW = LinkRates("slow", 2 * MIB, 2 * MIB, "test")  # 2 s per 4 MiB activation
@@ -51,7 +51,7 @@ def test_tuning_is_deterministic():
     g = chain_step()
     runs = [tune(g, unit_costs(g), SLOW, 5 * 4 * MIB + 1024, 1 << 30, BASE) for _ in range(2)]
     assert runs[0].config == runs[1].config
-    assert runs[0].plan.to_json() == runs[1].plan.to_json()
+    assert runs[0].plan.to_dict() == runs[1].plan.to_dict()
 
 
 def test_the_threshold_is_tuned_again_once_the_swap_ins_are_on_time():
@@ -76,10 +76,11 @@ def test_the_host_budget_is_respected():
 
 def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
     from launcher.lms import plan_command
-    from tests.conftest import RECIPES
+    from tests.fixtures import RECIPES
 
-    args = [str(RECIPES / "unet3d-cpu.yaml"), "--set", "lms.mode=auto", "--set", "lms.min_tensor_bytes=0",
-            "--device-memory", "24MiB", "--host-memory", "64GiB", "--link", "pcie3", "--device", "a100", "--plot"]
+    args = [str(RECIPES / "unet3d-cpu.yaml"), "--set", "lms.mode=auto", "--set", "lms.strategy=distance",
+            "--set", "lms.min_tensor_bytes=0", "--device-memory", "24MiB", "--host-memory", "64GiB", "--link", "pcie3",
+            "--device", "a100", "--plot"]
     assert plan_command.main(args + ["--out", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["link"].startswith("pcie3") and plan["device_profile"].startswith("a100")
@@ -106,7 +107,7 @@ def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
 ])
 def test_bad_targets_exit_2_naming_the_key(tmp_path, capsys, args, message):
     from launcher.lms import plan_command
-    from tests.conftest import RECIPES
+    from tests.fixtures import RECIPES
 
     assert plan_command.main([str(RECIPES / "unet3d-cpu.yaml"), "--out", str(tmp_path / "out"), *args]) == 2
     assert message in capsys.readouterr().err
@@ -120,7 +121,7 @@ def test_named_links_are_distinct_enough_to_matter():
 def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_for():
     from launcher.lms.target import device_profile
     from launcher.recipe import load_recipe
-    from tests.conftest import RECIPES
+    from tests.fixtures import RECIPES
 
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml",
                          ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB, name: l40}",
@@ -128,8 +129,9 @@ def test_a_custom_device_profile_drives_the_cost_model_and_the_memory_planned_fo
     profile, memory, why = device_profile(recipe.lms, gpu=None)
     assert (profile.name, profile.flops_per_s, profile.memory_bytes_per_s) == ("l40", 30e12, 1200e9)
     assert memory == 24 << 30 and why == "lms.device: custom profile"
-    # lms.device_memory, when set (the recipe's 24 MiB), is what is planned for, whatever the profile.
-    with_memory = load_recipe(RECIPES / "unet3d-cpu.yaml", ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB}"])
+    # lms.device_memory, when set, is what is planned for, whatever the profile.
+    with_memory = load_recipe(RECIPES / "unet3d-cpu.yaml", ["lms.device={tflops: 30, memory_gb_per_s: 1200, memory: 24GiB}",
+                                                           "lms.device_memory=24MiB"])
     assert device_profile(with_memory.lms, gpu=None)[1] == 24 << 20
     # Twice the FLOP/s of a v100 profile and the same bandwidth: a compute-bound op takes half as long.
     g = conv_graph()
@@ -159,7 +161,7 @@ def test_the_tuner_survives_plans_whose_trigger_runs_before_the_tensor_is_on_the
     from launcher.lms.target import rank_target
     from launcher.recipe import load_recipe
     from launcher.rank.training import build_training
-    from tests.conftest import RECIPES
+    from tests.fixtures import RECIPES
 
     recipe = load_recipe(RECIPES / "unet3d-cpu.yaml", ["train.batch_size=8"])
     setup = build_training(recipe, ranks=1, device="CPU:0")

@@ -22,12 +22,12 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, RECIPES, lms_launch_argv
+from tests.fixtures import REPO, RECIPES, lms_launch_argv
 from tests.netns_cluster import SSH_PORT, Cluster, ClusterUnavailable, check_can_build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
-TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.depth=2", "--set", "model.base_filters=4",
+TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.levels=2", "--set", "model.base_filters=4",
              "--set", "train.steps=6", "--set", "logging.interval=2", "--set", "logging.tensorboard=false"]
 RUN_TIMEOUT_S = 240
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.config import Recipe
-from launcher.recipe import RecipeError, load_recipe, parse_override, recipe_from_dict
-from tests.conftest import RECIPES
+from launcher.recipe import RecipeError, load_recipe, parse_override, recipe_from_dict, recipe_to_dict
+from tests.fixtures import RECIPES
 
 SHIPPED = sorted(RECIPES.glob("*.yaml"))
 
@@ -43,9 +43,37 @@ def test_the_paper_recipes_match_the_papers():
     assert resnet.model.input_shape == [224, 224, 3] and resnet.model.classes == 1000
     assert resnet.train.optimizer == "sgd" and resnet.train.momentum == 0.9 and resnet.train.warmup_steps > 0
     assert resnet.train.scale_lr_by_ranks
-    unet = load_recipe(RECIPES / "unet3d.yaml")
-    assert unet.model.input_shape == [192, 192, 192, 4]
+    unet = load_recipe(RECIPES / "unet3d.yaml")  # Isensee et al. 2017 as TFLMS trained it (DESIGN.md)
+    assert unet.model.input_shape == [192, 192, 192, 4] and unet.train.batch_size == 1
+    assert (unet.model.labels, unet.model.levels, unet.model.base_filters, unet.model.dropout) == (3, 5, 16, 0.3)
+    assert unet.train.optimizer == "adam" and unet.train.learning_rate == 5e-4 and unet.train.precision == "float32"
     assert unet.data.source == "synthetic" and resnet.data.source == "synthetic"
+
+
+def test_the_cpu_unet_is_the_paper_network_smaller_with_all_three_supervised_levels():
+    paper, cpu = load_recipe(RECIPES / "unet3d.yaml"), load_recipe(RECIPES / "unet3d-cpu.yaml")
+    assert cpu.model.name == paper.model.name and cpu.model.labels == paper.model.labels
+    assert cpu.model.input_shape[-1] == paper.model.input_shape[-1] == 4
+    assert cpu.model.levels >= 4  # deep supervision sums decoder levels 2, 1 and 0
+    assert cpu.lms.enabled and cpu.lms.mode == "auto" and cpu.distributed.np == 2
+
+
+def test_each_networks_own_keys_take_its_defaults_and_the_others_are_refused(recipe_file):
+    resnet = load_recipe(recipe_file("model:\n  name: resnet50\n"))
+    assert resnet.model.classes == 1000 and resnet.model.labels is resnet.model.levels is None
+    unet = load_recipe(recipe_file("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n"))
+    assert (unet.model.labels, unet.model.levels, unet.model.base_filters, unet.model.dropout) == (3, 5, 16, 0.3)
+    assert unet.model.classes is None
+    with pytest.raises(RecipeError, match=r"model\.classes: applies to resnet50 only; remove it for model.name unet3d "
+                                          r"\(its outputs are model\.labels\)"):
+        load_recipe(recipe_file("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  classes: 4\n"))
+    with pytest.raises(RecipeError, match=r"model\.levels: applies to unet3d only"):
+        load_recipe(recipe_file("model:\n  name: resnet50\n  levels: 4\n"))
+
+
+def test_a_resolved_unet_recipe_loads_back_the_same(recipe_file):
+    recipe = load_recipe(RECIPES / "unet3d-cpu.yaml")
+    assert recipe_from_dict(recipe_to_dict(recipe)) == recipe
 
 
 def test_unknown_key_suggests_the_closest_valid_one(recipe_file):
@@ -73,7 +101,14 @@ def test_yaml_syntax_error_shows_the_line(recipe_file):
     ("model:\n  input_shape: 224\n", "model.input_shape: expected a list"),
     ("model:\n  input_shape: [224, x, 3]\n", "model.input_shape[1]: expected an integer"),
     ("data:\n  source: tfrecord\n", "data.path: is required when data.source is tfrecord"),
-    ("model:\n  name: unet3d\n  input_shape: [30, 32, 32, 4]\n  depth: 3\n", "divisible by 2^(depth-1) = 4"),
+    ("model:\n  name: unet3d\n  input_shape: [30, 32, 32, 4]\n  levels: 3\n",
+     "model.input_shape: D, H and W must be multiples of 2^(levels-1) = 4"),
+    ("model:\n  name: unet3d\n  input_shape: [24, 24, 24, 4]\n", "multiples of 2^(levels-1) = 16 so that"),
+    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  levels: 1\n", "model.levels: must be >= 2"),
+    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  dropout: 1.0\n", "model.dropout: must be in [0, 1)"),
+    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  labels: 0\n", "model.labels: must be >= 1"),
+    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  depth: 4\n", "unknown key 'model.depth'"),
+    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  batch_norm: true\n", "unknown key 'model.batch_norm'"),
     ("distributed:\n  hosts: a:1\n  hostfile: h.txt\n", "distributed.hosts: give hosts or hostfile, not both"),
     ("train:\n  steps: 3\nlogging:\n  skip_steps: 3\n", "logging.skip_steps: must be below train.steps"),
 ])

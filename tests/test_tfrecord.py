@@ -44,16 +44,20 @@ def test_images_round_trip_exactly(tmp_path):
     np.testing.assert_array_equal(y.numpy(), labels)
 
 
+def read_volumes(path, shape=(2, 2, 2, 1), labels: int = 1, batch_size: int = 1) -> tf.data.Dataset:
+    return read_dataset(str(path), "volumes", list(shape), classes=labels, batch_size=batch_size, rank=0, size=1,
+                        seed=0, shuffle_buffer=1, prefetch=0)
+
+
 def test_volumes_round_trip_exactly(tmp_path):
     rng = np.random.default_rng(1)
     volumes = rng.normal(size=(3, 4, 6, 8, 2)).astype(np.float32)
-    masks = rng.integers(0, 3, size=(3, 4, 6, 8), dtype=np.uint8)
+    masks = rng.integers(0, 2, size=(3, 4, 6, 8, 3), dtype=np.uint8)  # 3 binary label maps per voxel
     paths = write_records(tmp_path, "volumes", volumes, masks, shards=2)
     assert [p.name for p in paths] == ["data-00000-of-00002.tfrecord", "data-00001-of-00002.tfrecord"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in paths]  # no temporary files left
-    x, y = next(iter(read_dataset(str(tmp_path / "*.tfrecord"), "volumes", [4, 6, 8, 2], classes=3, batch_size=3,
-                                  rank=0, size=1, seed=0, shuffle_buffer=1, prefetch=0)))
-    assert (x.dtype, y.dtype, x.shape, y.shape) == (tf.float32, tf.int32, (3, 4, 6, 8, 2), (3, 4, 6, 8))
+    x, y = next(iter(read_volumes(tmp_path / "*.tfrecord", [4, 6, 8, 2], labels=3, batch_size=3)))
+    assert (x.dtype, y.dtype, x.shape, y.shape) == (tf.float32, tf.float32, (3, 4, 6, 8, 2), (3, 4, 6, 8, 3))
     order = [int(np.flatnonzero(volumes[:, 0, 0, 0, 0] == value)[0]) for value in x.numpy()[:, 0, 0, 0, 0]]
     assert sorted(order) == [0, 1, 2]  # files are shuffled; match samples by content
     np.testing.assert_array_equal(x.numpy(), volumes[order])
@@ -145,7 +149,7 @@ def test_a_later_record_of_another_shape_stops_training_naming_both_shapes(tmp_p
 
 
 def test_files_of_the_other_kind_are_named(tmp_path):
-    write_records(tmp_path, "volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 2), np.uint8))
+    write_records(tmp_path, "volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 2, 3), np.uint8))
     with pytest.raises(ValueError, match="lack feature.* image, label .* they look like volumes"):
         read_images(tmp_path, shape=[2, 2, 2])
 
@@ -168,6 +172,40 @@ def test_a_label_outside_the_classes_stops_training(tmp_path, label):
         next(iter(dataset))
 
 
+def write_masks_by_hand(path, masks: list[np.ndarray]) -> None:
+    """Volumes of shape [2, 2, 2, 1] with these masks, bypassing write_records's own checks."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for mask in masks:
+            writer.write(tfrecord._encode("volumes", np.zeros((2, 2, 2, 1), np.float32), mask))
+
+
+@pytest.mark.parametrize("maps, message", [
+    (2, r"masks in .* hold 2 label map\(s\) per volume of 8 voxels; model.labels is 3"),
+    (1, r"hold 1 label map\(s\) .* model.labels is 3"),  # one label number per voxel, the old layout
+])
+def test_masks_with_another_number_of_label_maps_fail_at_once(tmp_path, maps, message):
+    write_masks_by_hand(tmp_path / "a.tfrecord", [np.zeros((2, 2, 2, maps), np.uint8)])
+    with pytest.raises(ValueError, match=message):
+        read_volumes(tmp_path, labels=3)
+
+
+def test_masks_with_label_numbers_instead_of_binary_maps_fail_at_once(tmp_path):
+    write_masks_by_hand(tmp_path / "a.tfrecord", [np.full((2, 2, 2, 1), 4, np.uint8)])
+    with pytest.raises(ValueError, match=r"hold the value 4; each of the model.labels = 1 maps must be 0 or 1"):
+        read_volumes(tmp_path, labels=1)
+
+
+def test_a_later_mask_with_other_maps_or_values_stops_training(tmp_path):
+    good = np.zeros((2, 2, 2, 1), np.uint8)
+    write_masks_by_hand(tmp_path / "size.tfrecord", [good, np.zeros((2, 2, 2, 2), np.uint8)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"a record has a mask of 16 bytes; model.labels = 1 maps "
+                                                             r"of 8 voxels need 8"):
+        next(iter(read_volumes(tmp_path / "size.tfrecord", batch_size=2)))
+    write_masks_by_hand(tmp_path / "value.tfrecord", [good, np.full((2, 2, 2, 1), 2, np.uint8)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"masks must hold 0 or 1 .* a batch holds 2"):
+        next(iter(read_volumes(tmp_path / "value.tfrecord", batch_size=2)))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Writer
 
@@ -180,8 +218,12 @@ def test_a_label_outside_the_classes_stops_training(tmp_path, label):
     ("images", np.zeros((2, 4, 4, 3), np.uint8), np.array([0, -3]), "labels must be >= 0; got -3"),
     ("volumes", np.zeros((1, 2, 2, 2, 1)), np.zeros((1, 2, 2, 2), np.uint8), "must be float32; got float64"),
     ("volumes", np.full((1, 2, 2, 2, 1), np.nan, np.float32), np.zeros((1, 2, 2, 2), np.uint8), "NaN"),
-    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 3), np.uint8), r"masks must be \[N, D"),
-    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.full((1, 2, 2, 2), 300), "must be <= 255; got 300"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 3, 3), np.uint8), r"masks must be \[N, D"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 2), np.uint8),
+     r"= \[1, 2, 2, 2, L\] .* got \[1, 2, 2, 2\]: one binary map per label .* masks\[\.\.\., None\].* brats_regions"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.full((1, 2, 2, 2, 3), 2), r"only 0 and 1 .* found 2\b"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.full((1, 2, 2, 2, 3), 0.5), r"only 0 and 1 .* found 0\.5"),
+    ("volumes", np.zeros((1, 2, 2, 2, 1), np.float32), np.zeros((1, 2, 2, 2, 3), "U1"), "must be 0/1 numbers"),
     ("pictures", np.zeros((1, 2, 2, 1), np.uint8), np.zeros(1, np.int64), "kind must be one of images, volumes"),
 ])
 def test_writer_rejects_bad_arrays_and_writes_nothing(tmp_path, kind, inputs, labels, message):
@@ -190,11 +232,22 @@ def test_writer_rejects_bad_arrays_and_writes_nothing(tmp_path, kind, inputs, la
     assert not (tmp_path / "out").exists()
 
 
-def test_boolean_masks_are_labels_0_and_1(tmp_path):
-    masks = np.array([[[[True, False], [False, True]]] * 2])
+@pytest.mark.parametrize("dtype", [np.bool_, np.uint8, np.int64, np.float32])
+def test_masks_of_booleans_integers_or_floats_are_maps_of_0_and_1(tmp_path, dtype):
+    masks = np.random.default_rng(0).integers(0, 2, size=(1, 2, 2, 2, 3)).astype(dtype)
     write_records(tmp_path, "volumes", np.zeros((1, 2, 2, 2, 1), np.float32), masks)
-    _, y = next(iter(read_dataset(str(tmp_path), "volumes", [2, 2, 2, 1], 2, 1, 0, 1, 0)))
-    np.testing.assert_array_equal(y.numpy(), masks.astype(np.int32))
+    _, y = next(iter(read_volumes(tmp_path, labels=3)))
+    np.testing.assert_array_equal(y.numpy(), masks.astype(np.float32))
+
+
+def test_brats_label_maps_become_the_three_nested_regions():
+    # Labels 0 background, 1 core, 2 oedema, 4 enhancing: whole tumour is 1, 2, 4; core 1, 4; enhancing 4.
+    seg = np.array([[[[0, 1], [2, 4]]]])
+    regions = tfrecord.brats_regions(seg)
+    assert regions.shape == (1, 1, 2, 2, 3) and regions.dtype == np.uint8
+    assert regions[0, 0].tolist() == [[[0, 0, 0], [1, 1, 0]], [[1, 0, 0], [1, 1, 1]]]
+    with pytest.raises(ValueError, match=r"0, 1, 2 and 4 only; found \[3\]"):
+        tfrecord.brats_regions(np.array([0, 3, 4]))
 
 
 def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch):
@@ -229,23 +282,26 @@ def test_writer_refuses_to_mix_with_shards_of_the_same_prefix(tmp_path):
 
 def test_converter_writes_learnable_synthetic_volumes(tmp_path, capsys):
     status = convert.main(["--kind", "volumes", "--out", str(tmp_path), "--synthetic", "3", "--shape", "8,8,8,2",
-                           "--classes", "3", "--shards", "3"])
+                           "--shards", "3"])  # 3 label maps by default
     assert status == 0
     paths = sorted(tmp_path.glob("data-*-of-00003.tfrecord"))
     assert len(paths) == 3
     out = capsys.readouterr().out
     assert "wrote 3 volumes ([8, 8, 8, 2]) to 3 file(s)" in out
     assert f"{paths[0]}  1 records  {paths[0].stat().st_size:,} bytes" in out
-    _, y = next(iter(read_dataset(str(tmp_path), "volumes", [8, 8, 8, 2], 3, 3, 0, 1, 0)))
-    counts = np.bincount(y.numpy().ravel(), minlength=3)
-    assert counts.min() > 0.3 * y.numpy().size  # every label about a third of the voxels
+    _, y = next(iter(read_volumes(tmp_path, [8, 8, 8, 2], labels=3, batch_size=3)))
+    shares = y.numpy().reshape(-1, 3).mean(axis=0)
+    np.testing.assert_allclose(shares, [1 / 2, 1 / 4, 1 / 8], atol=0.01)  # a half, a quarter, an eighth
 
 
-def test_synthetic_mask_is_a_function_of_each_voxels_neighbourhood():
-    volumes, masks = convert.synthetic("volumes", 2, [6, 6, 6, 1], classes=2, seed=0)
+def test_synthetic_masks_are_nested_thresholds_of_each_voxels_neighbourhood():
+    volumes, masks = convert.synthetic("volumes", 2, [6, 6, 6, 1], classes=3, seed=0)
+    assert masks.shape == (2, 6, 6, 6, 3) and set(np.unique(masks)) == {0, 1}
     means = convert.box_blur_3d(volumes[..., 0])
     assert means[1, 2, 3, 4] == pytest.approx(volumes[1, 1:4, 2:5, 3:6, 0].mean(), rel=1e-5)
-    assert means[masks == 1].min() > means[masks == 0].max()  # one threshold separates the labels
+    for k in range(3):  # one threshold separates each map's voxels from the rest
+        assert means[masks[..., k] == 1].min() > means[masks[..., k] == 0].max()
+    assert (masks[..., 1] <= masks[..., 0]).all() and (masks[..., 2] <= masks[..., 1]).all()  # nested
 
 
 def test_synthetic_image_labels_are_brightness_bins():
@@ -273,13 +329,19 @@ def test_converter_reads_npz(tmp_path, capsys):
     (["--kind", "images", "--from-npz", "{tmp}/d.npz", "--shape", "4,4,3"], "--shape only apply with --synthetic"),
     (["--kind", "images", "--synthetic", "4"], "--synthetic needs --shape"),
     (["--kind", "images", "--synthetic", "4", "--shape", "8,8"], "images take 3 positive sizes [H, W, C]"),
-    (["--kind", "volumes", "--synthetic", "4", "--shape", "8,8,8,1", "--classes", "300"], "in [2, 256]"),
+    (["--kind", "volumes", "--synthetic", "4", "--shape", "8,8,8,1", "--classes", "3"], "volumes take --labels"),
+    (["--kind", "images", "--synthetic", "4", "--shape", "8,8,3", "--labels", "3"], "images take --classes"),
+    (["--kind", "volumes", "--synthetic", "4", "--shape", "8,8,8,1", "--labels", "0"], "--labels must be >= 1"),
+    (["--kind", "images", "--synthetic", "4", "--shape", "8,8,3", "--classes", "1"], "--classes must be >= 2"),
+    (["--kind", "volumes", "--from-npz", "{tmp}/seg.npz"], "brats_regions"),
     (["--kind", "images", "--synthetic", "2", "--shape", "8,8,3", "--shards", "4"], "cannot fill 4 shards"),
     (["--kind", "pictures", "--synthetic", "4"], "invalid choice: 'pictures'"),
 ])
 def test_converter_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, args, message):
     np.savez(tmp_path / "d.npz", images=np.zeros((2, 4, 4, 3), np.uint8), masks=np.zeros(2))
     np.savez(tmp_path / "float.npz", images=np.zeros((2, 4, 4, 3)), labels=np.zeros(2, np.int64))
+    np.savez(tmp_path / "seg.npz", volumes=np.zeros((2, 4, 4, 4, 4), np.float32),
+             masks=np.zeros((2, 4, 4, 4), np.uint8))  # one label number per voxel, not binary maps
     np.save(tmp_path / "one.npy", np.zeros(2))
     out = tmp_path / "out"
     assert convert.main([a.replace("{tmp}", str(tmp_path)) for a in args] + ["--out", str(out)]) == 2

@@ -34,10 +34,14 @@ from pathlib import Path
 from launcher.bench.configurations import CONFIGURATIONS, LABELS
 from launcher.bench.papers import figures_for
 from launcher.bench.search import SizeGrid
+from launcher.arguments import UsageError, UsageParser
 from launcher.bench.sizes import KINDS, SizeAxis, size_axis
 from launcher.config import Recipe
 from launcher.recipe import RecipeError, load_recipe
 from lms_core.config import SettingError
+from lms_core.costs import PROFILES
+from lms_core.link import LinkRates, link_named
+from lms_core.nvml import GpuInfo, probe_gpu
 from lms_core.units import format_bytes, parse_bytes
 
 DEFAULT_DEVICE_MEMORY = "16GiB"  # the papers' 16 GB V100 and P100
@@ -49,10 +53,6 @@ DEFAULT_RUN_STEPS = 5  # per probe of the run judge: 2 unmeasured (tracing, warm
 RUN_SKIP_STEPS = 2
 DEFAULT_RUN_TIMEOUT_S = 900
 MAX_DOUBLINGS = 12  # without --max, a search never goes past start x 2^12 (it says so when it stops there)
-
-
-class BenchUsageError(Exception):
-    """Bad input; printed as it is, exit 2."""
 
 
 class Stopped(BaseException):
@@ -67,13 +67,8 @@ def _stop(signum, frame):
     raise Stopped(signum)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise BenchUsageError(f"{message} (see lms-launch bench --help)")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lms-launch bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> UsageParser:
+    p = UsageParser(prog="lms-launch bench", description=__doc__)
     p.add_argument("kind", choices=KINDS, help="max-batch: the largest batch; max-resolution: the largest input side")
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
@@ -97,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max", type=int, help="largest size to try (default: unbounded; give one to the run judge on "
                                            "a machine where the step never runs out of memory)")
     p.add_argument("--start", type=int, help="where each search starts (default: the recipe's size)")
-    p.add_argument("--step", type=int, help="grid step (default 1 for batches; for sides the model's: 2^(depth-1) "
+    p.add_argument("--step", type=int, help="grid step (default 1 for batches; for sides the model's: 2^(levels-1) "
                                             "for the U-Net, 32 for ResNet-50); must be a multiple of the model's")
     p.add_argument("--no-floor-bound", action="store_true",
                    help="skip the search for the largest size whose floor fits (cheap: traces only)")
@@ -110,9 +105,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchSetup:
-    """Everything the benchmark needs, checked before anything starts."""
+    """Everything the benchmark needs, checked before anything starts; every flag parsed once."""
 
     kind: str
     recipe_path: Path
@@ -122,12 +117,11 @@ class BenchSetup:
     grid: SizeGrid
     start: int
     judge: str  # estimate or run
-    on_gpu: bool
-    gpu_name: str | None
+    gpu: GpuInfo | None  # what NVML says of GPU 0, None without one
     device_memory_bytes: int | None  # None: the run judge on a GPU fits the GPU's own memory
-    host_memory: str
-    link: str | None  # None: the run judge leaves each rank its own
-    links: list[str]
+    host_memory_bytes: int
+    link: LinkRates | None  # None: the run judge leaves each rank its own
+    links: list[LinkRates]  # the estimate judge re-tunes lms-launch for each and shows its overhead
     device: str | None
     configs: list[str]
     floor_bound: bool
@@ -136,122 +130,133 @@ class BenchSetup:
     out: Path
     command: str
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu is not None
+
 
 def resolve(args: argparse.Namespace, argv: list[str]) -> BenchSetup:
-    """Checks every input and works out the defaults; raises BenchUsageError, RecipeError or
+    """Checks every input and works out the defaults; raises UsageError, RecipeError or
     SettingError naming what to change."""
-    from launcher.lms.target import gpu_details
-    from lms_core.costs import PROFILES
-    from lms_core.link import link_named
-
     recipe = load_recipe(args.recipe, args.overrides)
     axis = size_axis(args.kind, recipe)
-    gpu = gpu_details(0)
+    gpu = probe_gpu(0)
     judge = args.judge if args.judge != "auto" else ("run" if gpu is not None else "estimate")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGURATIONS]
-    if unknown or not configs or len(set(configs)) != len(configs):
-        raise BenchUsageError(f"--configs {args.configs!r}: give each of {', '.join(CONFIGURATIONS)} at most once, "
-                              f"comma-separated" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-    links = [link.strip() for link in args.links.split(",") if link.strip()]
-    for key, value in [("--link", args.link), *(("--links", link) for link in links)]:
-        if value is not None:
-            try:
-                link_named(_link_value(value))
-            except ValueError as err:
-                raise BenchUsageError(f"{key}: {err}") from None
-    if args.device is not None and args.device not in PROFILES:
-        raise BenchUsageError(f"--device: {args.device!r} is not a device profile; use one of {', '.join(PROFILES)}")
-    memories = {}
-    for key, value in (("--device-memory", args.device_memory), ("--host-memory", args.host_memory)):
-        if value is not None:
-            try:
-                memories[key] = parse_bytes(value)
-            except ValueError as err:
-                raise BenchUsageError(f"{key}: {err}") from None
-    device_memory = memories.get("--device-memory")
+    grid, start = size_grid(args, axis)
+    link, links = chosen_links(args, judge)
+    device_memory = _bytes_flag("--device-memory", args.device_memory)
     if device_memory is None and not (judge == "run" and gpu is not None):
         device_memory = parse_bytes(DEFAULT_DEVICE_MEMORY)
-
-    step = args.step or axis.step
-    if step < 1 or step % axis.step:
-        raise BenchUsageError(f"--step {step}: must be a positive multiple of {axis.step} ({axis.describe()})")
-    for key in ("min", "max", "start"):
-        value = getattr(args, key)
-        if value is not None and value < 1:
-            raise BenchUsageError(f"--{key} {value}: must be >= 1")
-    minimum = args.min if args.min is not None else max(step, axis.smallest)
-    if minimum % step or minimum < axis.smallest:
-        raise BenchUsageError(f"--min {minimum}: must be a multiple of the step {step} and at least {axis.smallest}")
-    start = args.start if args.start is not None else axis.start
-    maximum = args.max
-    if maximum is not None and (maximum % step or maximum < minimum):
-        raise BenchUsageError(f"--max {maximum}: must be a multiple of the step {step} and at least --min {minimum}")
-    if maximum is None:
-        maximum = max(minimum, start - start % step) * 2 ** MAX_DOUBLINGS
-    grid = SizeGrid(step, minimum, maximum)
+    host_memory = (_bytes_flag("--host-memory", args.host_memory) or recipe.lms.host_memory_bytes
+                   or parse_bytes(DEFAULT_HOST_MEMORY))
+    if args.device is not None and args.device not in PROFILES:
+        raise UsageError(f"--device: {args.device!r} is not a device profile; use one of {', '.join(PROFILES)}")
     if args.run_steps <= RUN_SKIP_STEPS:
-        raise BenchUsageError(f"--run-steps {args.run_steps}: must be more than the {RUN_SKIP_STEPS} unmeasured steps")
+        raise UsageError(f"--run-steps {args.run_steps}: must be more than the {RUN_SKIP_STEPS} unmeasured steps")
     if args.run_timeout <= 0:
-        raise BenchUsageError(f"--run-timeout {args.run_timeout:g}: must be > 0 seconds")
-
-    out = Path(args.out) if args.out else (Path("runs") / f"bench-{Path(args.recipe).stem}-{args.kind}-"
-                                                           f"{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BenchUsageError(f"--out {out} already holds files; give a new directory or remove it")
-    host_memory = args.host_memory or recipe.lms.host_memory or DEFAULT_HOST_MEMORY
+        raise UsageError(f"--run-timeout {args.run_timeout:g}: must be > 0 seconds")
     setup = BenchSetup(
         kind=args.kind, recipe_path=Path(args.recipe), overrides=list(args.overrides), recipe=recipe, axis=axis,
-        grid=grid, start=grid.snap(start), judge=judge, on_gpu=gpu is not None, gpu_name=gpu[0] if gpu else None,
-        device_memory_bytes=device_memory, host_memory=str(host_memory),
-        link=args.link if (args.link or judge == "run") else DEFAULT_LINK,
-        links=_with_first(args.link or DEFAULT_LINK, links) if judge == "estimate" else [],
-        device=args.device if (args.device or judge == "run") else DEFAULT_DEVICE,
-        configs=configs, floor_bound=not args.no_floor_bound, run_steps=args.run_steps, run_timeout_s=args.run_timeout,
-        out=out, command="lms-launch bench " + shlex.join(argv))
+        grid=grid, start=start, judge=judge, gpu=gpu, device_memory_bytes=device_memory, host_memory_bytes=host_memory,
+        link=link, links=links, device=args.device if (args.device or judge == "run") else DEFAULT_DEVICE,
+        configs=configurations(args.configs), floor_bound=not args.no_floor_bound, run_steps=args.run_steps,
+        run_timeout_s=args.run_timeout, out=out_dir(args), command="lms-launch bench " + shlex.join(argv))
     lms_config(setup)  # the lms settings must be valid before anything starts
     if judge == "run":
         from launcher.bench.run_judge import probe_overrides
 
-        for key in configs:  # every probe's recipe must load, or the search would stop halfway
+        for key in setup.configs:  # every probe's recipe must load, or the search would stop halfway
             load_recipe(setup.recipe_path, probe_overrides(run_setting(setup, Path(".")), key, setup.start))
     return setup
 
 
-def _with_first(link: str, links: list[str]) -> list[str]:
-    """The links to show overheads for: the one tuned for first, then the others asked for."""
-    return [link] + [other for other in links if other != link]
+def configurations(text: str) -> list[str]:
+    configs = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGURATIONS]
+    if unknown or not configs or len(set(configs)) != len(configs):
+        raise UsageError(f"--configs {text!r}: give each of {', '.join(CONFIGURATIONS)} at most once, "
+                         f"comma-separated" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return configs
 
 
-def _link_value(text: str):
+def chosen_links(args: argparse.Namespace, judge: str) -> tuple[LinkRates | None, list[LinkRates]]:
+    """The link lms-launch tunes for (None: the run judge leaves each rank its own) and the links
+    the estimate judge shows overheads for, the tuned one first."""
+    link = _link_flag("--link", args.link) if args.link else None
+    links = [_link_flag("--links", text.strip()) for text in args.links.split(",") if text.strip()]
+    if judge == "run":
+        return link, []
+    link = link or link_named(DEFAULT_LINK)
+    return link, [link] + [other for other in links if other != link]
+
+
+def size_grid(args: argparse.Namespace, axis: SizeAxis) -> tuple[SizeGrid, int]:
+    """The grid of sizes the searches walk, and where they start."""
+    step = args.step or axis.step
+    if step < 1 or step % axis.step:
+        raise UsageError(f"--step {step}: must be a positive multiple of {axis.step} ({axis.describe()})")
+    for key in ("min", "max", "start"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise UsageError(f"--{key} {value}: must be >= 1")
+    minimum = args.min if args.min is not None else max(step, axis.smallest)
+    if minimum % step or minimum < axis.smallest:
+        raise UsageError(f"--min {minimum}: must be a multiple of the step {step} and at least {axis.smallest}")
+    start = args.start if args.start is not None else axis.start
+    maximum = args.max
+    if maximum is not None and (maximum % step or maximum < minimum):
+        raise UsageError(f"--max {maximum}: must be a multiple of the step {step} and at least --min {minimum}")
+    if maximum is None:
+        maximum = max(minimum, start - start % step) * 2 ** MAX_DOUBLINGS
+    grid = SizeGrid(step, minimum, maximum)
+    return grid, grid.snap(start)
+
+
+def out_dir(args: argparse.Namespace) -> Path:
+    out = Path(args.out) if args.out else (Path("runs") / f"bench-{Path(args.recipe).stem}-{args.kind}-"
+                                                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} already holds files; give a new directory or remove it")
+    return out
+
+
+def _link_flag(flag: str, text: str) -> LinkRates:
     try:
-        return float(text)
-    except ValueError:
-        return text
+        return link_named(text)
+    except ValueError as err:
+        raise UsageError(f"{flag}: {err}") from None
+
+
+def _bytes_flag(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise UsageError(f"{flag}: {err}") from None
 
 
 def lms_config(setup: BenchSetup):
     """lms-launch's settings: the recipe's, switched on, auto-tuned, for the benchmark's target."""
-    lms = setup.recipe.lms
-    changes = {"enabled": True, "mode": "auto", "host_memory": setup.host_memory, "rank_links": []}
+    changes = {"enabled": True, "mode": "auto", "host_memory": setup.host_memory_bytes, "rank_links": []}
     if setup.link is not None:
-        changes["link"] = _link_value(setup.link)
+        changes["link"] = setup.link.name
     if setup.device is not None:
         changes["device"] = setup.device
     if setup.device_memory_bytes is not None:
         changes["device_memory"] = setup.device_memory_bytes
     try:
-        return dataclasses.replace(lms, **changes)
+        return dataclasses.replace(setup.recipe.lms, **changes)
     except SettingError as err:
-        raise BenchUsageError(f"lms.{err}") from None
+        raise UsageError(f"lms.{err}") from None
 
 
 def run_setting(setup: BenchSetup, workdir: Path):
     from launcher.bench.run_judge import RunSetting
 
-    lms_overrides = [f"lms.host_memory={setup.host_memory}"]
+    lms_overrides = [f"lms.host_memory={setup.host_memory_bytes}"]
     if setup.link is not None:
-        lms_overrides.append(f"lms.link={setup.link}")
+        lms_overrides.append(f"lms.link={setup.link.name}")
     if setup.device is not None:
         lms_overrides.append(f"lms.device={setup.device}")
     if setup.device_memory_bytes is not None:
@@ -265,10 +270,8 @@ def machine() -> str:
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    from launcher.lms.target import gpu_details
-
-    gpu = gpu_details(0)
-    gpu_text = f"GPU {gpu[0]} ({format_bytes(gpu[1])})" if gpu else "no GPU"
+    gpu = probe_gpu(0)
+    gpu_text = f"GPU {gpu.name} ({format_bytes(gpu.memory_bytes)})" if gpu else "no GPU"
     return f"{platform.node()}, {cores} CPU cores, {format_bytes(psutil.virtual_memory().total)} RAM, {gpu_text}"
 
 
@@ -278,7 +281,7 @@ def judge_text(setup: BenchSetup, target) -> str:
                 f"{format_bytes(setup.device_memory_bytes)} (an estimate, not a GPU measurement); step times "
                 f"predicted by lms-launch's simulator for {target.device.name} on {target.link.name}")
     if setup.on_gpu:
-        return (f"run: {setup.run_steps} real training steps per probe in a fresh process on {setup.gpu_name} "
+        return (f"run: {setup.run_steps} real training steps per probe in a fresh process on {setup.gpu.name} "
                 f"({setup.run_steps - RUN_SKIP_STEPS} measured); out of memory detected from TensorFlow's error")
     return (f"run: {setup.run_steps} real training steps per probe in a fresh process on this machine's CPU, "
             f"TensorFlow's CPU allocator held to {format_bytes(setup.device_memory_bytes)} (no GPU here: the CPU "
@@ -289,7 +292,7 @@ def main(argv: list[str]) -> int:
     try:
         args = parser().parse_args(argv)
         setup = resolve(args, argv)
-    except (RecipeError, BenchUsageError, SettingError) as err:
+    except (RecipeError, UsageError, SettingError) as err:
         print(f"lms-launch bench: error: {err}", file=sys.stderr)
         return 2
     from launcher.bench.report import discard, markdown, partial_dir, write_report
@@ -357,7 +360,8 @@ def run(setup: BenchSetup, work: Path):
         input_shape=list(setup.recipe.model.input_shape), batch_size=setup.recipe.train.batch_size, axis=setup.axis,
         judge=setup.judge, judge_text=text, command=setup.command, date=time.strftime("%Y-%m-%d %H:%M %Z"),
         machine=machine(), device_memory_bytes=setup.device_memory_bytes,
-        link=setup.link or "rank", links=setup.links if setup.judge == "estimate" else ["rank"], results=results,
+        link=setup.link.name if setup.link else "rank",
+        links=[link.name for link in setup.links] if setup.judge == "estimate" else ["rank"], results=results,
         papers=figures_for(setup.recipe.model.name, setup.kind), seconds=time.perf_counter() - started, notes=notes,
         lms_plan=lms_plan)
 
@@ -399,8 +403,8 @@ def search(setup: BenchSetup, key: str, judge, start: int | None = None, stride:
 def work_out_results(setup: BenchSetup, results: list, source, lms, target) -> list[str]:
     """Floors, samples/s and overheads at each found size (re-tuning lms-launch for --links);
     returns notes for the report."""
-    from launcher.bench.configurations import overhead_of, probe_lms, EstimateSetting
-    from lms_core.link import link_named
+    from launcher.bench.configurations import probe_lms, EstimateSetting
+    from lms_core.report import Prediction
 
     notes = []
     described: dict[int, tuple] = {}
@@ -418,7 +422,8 @@ def work_out_results(setup: BenchSetup, results: list, source, lms, target) -> l
         probe = result.search.probe_at(size)
         if setup.judge == "run":
             result.samples_per_s = probe.data.get("samples_per_s")
-            overhead = overhead_of(probe.data.get("prediction") or {}) if result.key == "lms-launch" else 0.0
+            predicted = probe.data.get("prediction") if result.key == "lms-launch" else None
+            overhead = Prediction(**predicted).overhead if predicted else (None if result.key == "lms-launch" else 0.0)
             result.overheads["rank"] = overhead
             if result.key == "lms-launch":
                 result.notes.append(f"at this size: {probe.detail}")
@@ -428,7 +433,7 @@ def work_out_results(setup: BenchSetup, results: list, source, lms, target) -> l
             continue
         if result.key == "none" or (result.key == "grappler" and probe.data.get("swaps") == 0):
             result.samples_per_s = samples / unswapped_s
-            result.overheads = {link: 0.0 for link in setup.links}
+            result.overheads = {link.name: 0.0 for link in setup.links}
             if result.key == "grappler":
                 result.notes.append("inserted no swap at this size, so it is the unswapped step")
         elif result.key == "grappler":
@@ -437,19 +442,19 @@ def work_out_results(setup: BenchSetup, results: list, source, lms, target) -> l
         else:  # lms-launch
             prediction = probe.data["prediction"]
             result.samples_per_s = samples / prediction["step_time_s"]
-            result.overheads[setup.link] = probe.data["overhead"]
-            result.link_fits[setup.link] = True
+            result.overheads[setup.link.name] = probe.data["overhead"]
+            result.link_fits[setup.link.name] = True
             result.notes.append(probe.data["tuning"] or probe.detail)
             for link in setup.links:
                 if link == setup.link:
                     continue
-                say(f"re-tuning lms-launch at {setup.axis.label(size)} for {link}")
-                other = dataclasses.replace(target, link=link_named(_link_value(link)))
+                say(f"re-tuning lms-launch at {setup.axis.label(size)} for {link.name}")
+                other = dataclasses.replace(target, link=link)
                 retuned = probe_lms(EstimateSetting(source, setup.device_memory_bytes, other, lms), size, target=other)
-                say(f"  {link}: peak {format_bytes(retuned.peak_bytes)} {'fits' if retuned.fits else 'does NOT fit'}; "
-                    f"{retuned.detail}")
-                result.overheads[link] = retuned.data["overhead"]
-                result.link_fits[link] = retuned.fits
+                say(f"  {link.name}: peak {format_bytes(retuned.peak_bytes)} "
+                    f"{'fits' if retuned.fits else 'does NOT fit'}; {retuned.detail}")
+                result.overheads[link.name] = retuned.data["overhead"]
+                result.link_fits[link.name] = retuned.fits
     return notes
 
 
@@ -469,9 +474,7 @@ def floor_bound(setup: BenchSetup, results: list, source, lms, target):
             scale = ((memory - fixed) / floor.working_set_bytes) ** (1 / setup.axis.dims)
             start, stride = int(known.largest * scale), setup.grid.step
     if memory is None:  # the run judge on a GPU: its memory is the GPU's
-        from launcher.lms.target import gpu_details
-
-        memory = gpu_details(0)[1]
+        memory = setup.gpu.memory_bytes
     judge = partial(PROBES["floor"], EstimateSetting(source, memory, target, lms))
     result = search(setup, "floor", judge, start=start, stride=stride)
     probe = result.search.probe_at(result.largest)
@@ -482,24 +485,22 @@ def floor_bound(setup: BenchSetup, results: list, source, lms, target):
 
 def check_gating(setup: BenchSetup, result) -> dict | None:
     """Proves lms-launch's plan at its largest size gated on what TensorFlow executes, on the step's
-    structural twin (launcher.lms.twin), and returns that plan (with the check) for the results."""
+    structural twin (launcher.lms.twin), and returns its report (with the check) for the results."""
     from launcher.lms.twin import verify_on_twin
 
     probe = result.search.probe_at(result.largest)
-    if probe is None or "plan_object" not in probe.data:
+    if probe is None or "report_object" not in probe.data:
         return None
-    plan = probe.data["plan_object"]
-    if not plan.swaps:
+    report = probe.data["report_object"]
+    if not report.plan.swaps:
         result.notes.append("nothing swapped at this size, nothing to gate")
-        return plan.to_dict()
+        return report.to_dict()
     say(f"checking that lms-launch's swap-ins at {setup.axis.label(result.largest)} wait for their triggers "
         f"(its twin, run on split CPU devices)")
-    gating, twin = verify_on_twin(setup.axis.recipe_at(setup.recipe, result.largest), plan)
-    plan.verification = dict(gating.to_dict(), traced_at=twin)
-    text = (f"swap-ins gated: {gating.gated}/{len(gating.gates)} (in what TensorFlow executed for its twin at "
-            f"{twin['input_shape']}, batch {twin['batch_size']})")
-    if not gating.all_gated:
-        text += f"; NOT gated: {', '.join(g.swap_in for g in gating.ungated[:3])}"
+    check = verify_on_twin(setup.axis.recipe_at(setup.recipe, result.largest), report.plan)
+    text = check.describe()
+    if not check.all_gated:
+        text += f"; NOT gated: {', '.join(check.ungated[:3])}"
     say(f"  {text}")
     result.notes.append(text)
-    return plan.to_dict()
+    return report.with_verification(check).to_dict()

@@ -16,6 +16,7 @@ as a dict), so no two large graphs are alive at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -78,17 +79,19 @@ def probe_lms(setting: EstimateSetting, size: int, target: Target | None = None)
     sized = setting.source.at(size)
     rewritten = lms_tf.rewrite(sized.step, *sized.specs, config=setting.lms, compute_device=COMPUTE_DEVICE,
                                host_device=HOST_DEVICE, target=target)
-    baseline, estimate = lms_tf.estimate_rewrite(rewritten, setting.device_memory_bytes)
-    plan = rewritten.plan
-    prediction = dict(plan.prediction)
-    overhead = overhead_of(prediction)
+    estimate = lms_tf.estimate_rewrite(rewritten, setting.device_memory_bytes)
+    report = rewritten.report.with_estimate(estimate)
+    plan, prediction = report.plan, report.prediction
     detail = f"{len(plan.swaps)} swap(s), {format_bytes(plan.swapped_bytes)} to host"
-    if overhead is not None:
-        detail += f"; predicted step {prediction['step_time_s'] * 1000:.0f} ms ({overhead:+.0%})"
-    data = {"swaps": len(plan.swaps), "swapped_bytes": plan.swapped_bytes, "prediction": prediction,
-            "overhead": overhead, "baseline_peak_bytes": baseline.device_bytes, "host_bytes": estimate.host_bytes,
-            "tuning": plan.tuning, "link": target.link.name, "plan_object": plan}
-    return Probe(size, estimate.fits, estimate.device_bytes, time.perf_counter() - started, detail=detail, data=data)
+    if prediction.overhead is not None:
+        detail += f"; predicted step {prediction.step_time_s * 1000:.0f} ms ({prediction.overhead:+.0%})"
+    data = {"swaps": len(plan.swaps), "swapped_bytes": plan.swapped_bytes, "prediction": dataclasses.asdict(prediction),
+            "overhead": prediction.overhead, "baseline_peak_bytes": estimate.baseline_bytes,
+            "host_bytes": estimate.host_bytes, "link": target.link.name,
+            # What was tuned, not the tuner's verdict on its own budget: the row's judge is the estimate.
+            "tuning": rewritten.planning.tuning.settings_text() if rewritten.planning.tuning else None,
+            "report_object": report}
+    return Probe(size, estimate.lms_fits, estimate.lms_bytes, time.perf_counter() - started, detail=detail, data=data)
 
 
 def probe_floor(setting: EstimateSetting, size: int) -> Probe:
@@ -100,11 +103,3 @@ def probe_floor(setting: EstimateSetting, size: int) -> Probe:
 
 
 PROBES = {"none": probe_none, "grappler": probe_grappler, "lms-launch": probe_lms, "floor": probe_floor}
-
-
-def overhead_of(prediction: dict) -> float | None:
-    """Predicted step time over the unswapped one, minus one (lms_core.planning's prediction)."""
-    step, unlimited = prediction.get("step_time_s"), prediction.get("unlimited_step_time_s")
-    if not step or not unlimited:
-        return None
-    return step / unlimited - 1

@@ -1,5 +1,5 @@
 """`python -m launcher.bench.probe_worker --memory-optimizer off|swapping -- WORKER ARGS`: one probe of
-`lms-launch bench --judge run`, which is one rank of `launcher.rank.worker` with Grappler's memory
+`lms-launch bench --judge run`, which is one rank of `launcher.worker` with Grappler's memory
 optimizer set for the functions it runs.
 
 TensorFlow runs Grappler on every `tf.function` it instantiates, with the rewriter options of the
@@ -41,10 +41,10 @@ def memory_optimizer_in_force() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="launcher.bench.probe_worker", description=__doc__)
     parser.add_argument("--memory-optimizer", choices=sorted(MODES), required=True)
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then launcher.rank.worker's arguments")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER, help="-- then launcher.worker's arguments")
     args = parser.parse_args(argv)
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
-    # launcher.rank.worker sets the allocator environment TensorFlow reads at import: import it first.
+    # launcher.worker sets the allocator environment TensorFlow reads at import: import it first.
     from launcher.rank import worker
 
     set_memory_optimizer(args.memory_optimizer)

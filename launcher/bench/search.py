@@ -1,6 +1,6 @@
 """The largest size that fits: galloping, then bisection, over the sizes a model accepts.
 
-Sizes lie on a grid, `step` apart (every batch; the U-Net's sides in steps of 2^(depth-1)). A search
+Sizes lie on a grid, `step` apart (every batch; the U-Net's sides in steps of 2^(levels-1)). A search
 starts at a size (the recipe's), and:
 
 1. gallops: while the size fits it doubles it, and while it does not it halves it, until one size

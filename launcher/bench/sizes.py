@@ -2,9 +2,10 @@
 
 - `max-batch`: the per-rank batch, any positive integer (`--step` coarsens the grid).
 - `max-resolution`: the side of a square (ResNet-50) or cubic (3D U-Net) input, channels and batch as
-  in the recipe. The U-Net's sides must be divisible by 2^(depth-1), or the decoder cannot meet the
-  encoder's skips (launcher/config.py checks the same): that is its step, and its smallest side (one
-  voxel at the bottom level). ResNet-50 halves its input five times: multiples of 32 keep every stage
+  in the recipe. The U-Net's sides must be multiples of 2^(levels-1) (16 for the paper's 5 levels),
+  or its stride-2 levels cannot halve them exactly and the decoder cannot meet the encoder's skips
+  (launcher/config.py checks the same): that is its step, and its smallest side (one voxel at the
+  bottom level). ResNet-50 halves its input five times: multiples of 32 keep every stage
   whole (224 = 7 x 32), and 32 is the smallest input Keras builds it for.
 """
 from __future__ import annotations
@@ -60,8 +61,8 @@ class SizeAxis:
     def describe(self) -> str:
         if self.kind == "max-batch":
             return "the per-rank batch"
-        return (f"the side of a {'cubic' if self.dims == 3 else 'square'} input, in steps of {self.step} "
-                f"({'2^(depth-1): one voxel at the bottom level' if self.model == 'unet3d' else 'the network stride'})")
+        why = "2^(levels-1): one voxel at the bottom level" if self.model == "unet3d" else "the network stride"
+        return f"the side of a {'cubic' if self.dims == 3 else 'square'} input, in steps of {self.step} ({why})"
 
 
 def size_axis(kind: str, recipe: Recipe) -> SizeAxis:
@@ -71,7 +72,7 @@ def size_axis(kind: str, recipe: Recipe) -> SizeAxis:
         return SizeAxis(kind, recipe.model.name, 1, 1, recipe.train.batch_size, 1, "batch")
     spatial = recipe.model.input_shape[:-1]
     if recipe.model.name == "unet3d":
-        step = 2 ** (recipe.model.depth - 1)
+        step = 2 ** (recipe.model.levels - 1)
         smallest = step
     else:
         step = smallest = RESNET_STRIDE

@@ -131,7 +131,7 @@ def runs_without_launcher(np: int, slots: list[Slot], local_hosts: frozenset[str
 def worker_argv(python: str, recipe_path: str, run_dir: str, overrides: list[str]) -> list[str]:
     """The per-rank command. Each rank resolves the same recipe and overrides itself, so no rank
     depends on a file the launcher wrote (other hosts may not share the run directory)."""
-    argv = [python, "-m", "launcher.rank.worker", recipe_path, "--run-dir", run_dir]
+    argv = [python, "-m", "launcher.worker", recipe_path, "--run-dir", run_dir]
     for item in overrides:
         argv += ["--set", item]
     return argv

@@ -36,7 +36,7 @@ from typing import Mapping
 import psutil
 
 from launcher import env as ev
-from launcher.rank.metrics import format_bytes
+from lms_core.units import format_bytes
 
 EXIT_RANK_FAILED = 1
 STOPPED_STATUSES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # 130 after Ctrl-C, 143 after SIGTERM
@@ -49,7 +49,7 @@ STOP_GRACE_S = 60.0  # after asking the ranks to stop: time to finish the step a
 RANK_EXIT_GRACE_S = 10.0  # after a rank process ended mid-run: time for horovodrun or mpirun to end the rest
 KILL_WAIT_S = 5.0
 TAIL_LINES = 20
-WORKER_MODULE = "launcher.rank.worker"
+WORKER_MODULE = "launcher.worker"
 
 # How horovodrun and `mpirun --tag-output` mark each line of a rank: `[1]<stderr>:` and `[1,1]<stderr>:`
 # (Open MPI puts the job id first).

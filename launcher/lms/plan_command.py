@@ -4,12 +4,12 @@
 Traces the recipe's training step (one rank, no training, nothing started) and plans LMS for a rank on
 the given link and device: auto-tuned when `lms.mode` is auto, else with the recipe's settings. Prints
 the simulator's prediction (step time, stalls, hidden transfer) and Grappler's peak-memory estimate
-with and without LMS on a virtual GPU (no GPU is needed). Writes DIR/plan.json, and DIR/plan.png with
---plot. Exit 0 on success, 2 for bad input.
+with and without LMS on a virtual GPU (no GPU is needed), and checks on the step's structural twin
+that every swap-in waits for its trigger in what TensorFlow executes. Writes DIR/plan.json, and
+DIR/plan.png with --plot. Exit 0 on success, 1 when a swap-in is not gated, 2 for bad input.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -17,22 +17,16 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
+from launcher.config import Recipe
 from launcher.recipe import RecipeError, load_recipe
 
 PLAN_FILE = "plan.json"
+PLOT_FILE = "plan.png"
 
 
-class PlanUsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise PlanUsageError(f"{message} (see lms-launch plan --help)")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lms-launch plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> UsageParser:
+    p = UsageParser(prog="lms-launch plan", description=__doc__)
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     p.add_argument("--device-memory", help="GPU memory to plan for (default: lms.device_memory, else the "
@@ -48,110 +42,112 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     try:
         args = parser().parse_args(argv)
-        flags = [f"lms.{key}={value}" for key, value in (("device_memory", args.device_memory),
-                                                           ("host_memory", args.host_memory), ("link", args.link),
-                                                           ("device", args.device)) if value is not None]
-        recipe = load_recipe(args.recipe, args.overrides + flags)
-        out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (out / PLAN_FILE).exists():
-            raise PlanUsageError(f"--out {out} already has {PLAN_FILE}; give a new directory")
-    except (RecipeError, PlanUsageError) as err:
+        recipe, out = resolve(args)
+    except (RecipeError, UsageError) as err:
         print(f"lms-launch plan: error: {err}", file=sys.stderr)
-        return 2
-
+        return USAGE_STATUS
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    say = lambda text: print(f"[plan] {text}", flush=True)  # noqa: E731
+    started = time.perf_counter()
+    try:
+        planned, report, target = make_plan(recipe)
+    except ValueError as err:  # the twin lacks an op the plan names
+        print(f"lms-launch plan: error: cannot check the plan: {err}", file=sys.stderr)
+        return 1
+    write_plan(report, args.recipe, out)
+    print_plan(recipe, report, time.perf_counter() - started)
+    if args.plot:
+        plot(recipe, planned, report, target, out / PLOT_FILE)
+        print(f"plot written to {out / PLOT_FILE}")
+    print(f"plan written to {out / PLAN_FILE}")
+    check = report.verification
+    if check is not None and not check.all_gated:
+        print(f"lms-launch plan: error: swap-in {check.first_failure()} (it does not wait for its trigger)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def resolve(args) -> tuple[Recipe, Path]:
+    """The recipe with the flags applied (they are `lms.*` keys) and the output folder, checked."""
+    flags = [f"lms.{key}={value}" for key, value in (("device_memory", args.device_memory),
+                                                       ("host_memory", args.host_memory), ("link", args.link),
+                                                       ("device", args.device)) if value is not None]
+    recipe = load_recipe(args.recipe, args.overrides + flags)
+    out = Path(args.out) if args.out else Path("runs") / f"plan-{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (out / PLAN_FILE).exists():
+        raise UsageError(f"--out {out} already has {PLAN_FILE}; give a new directory")
+    return recipe, out
+
+
+def say(text: str) -> None:
+    print(f"[plan] {text}", flush=True)
+
+
+def make_plan(recipe: Recipe):
+    """Builds the step, plans it for one rank's target, estimates it with Grappler and checks it on
+    its twin: (the planning, the report, the target)."""
     if not recipe.lms.enabled:
         say("lms.enabled is false in this recipe; planning with its lms settings anyway")
-    planned_lms = dataclasses.replace(recipe.lms, enabled=True)
-    say(f"building {recipe.model.name} {recipe.model.input_shape}, batch {recipe.train.batch_size} (TensorFlow loads first)")
+    lms = dataclasses.replace(recipe.lms, enabled=True)
+    say(f"building {recipe.model.name} {recipe.model.input_shape}, batch {recipe.train.batch_size} "
+        f"(TensorFlow loads first)")
     from launcher.rank.devices import split_cpu
 
     split_cpu()  # the gating check below runs the plan on two logical CPU devices
+    import keras
+
     import lms_core.tf as lms_tf
     from launcher.lms.target import rank_target
-    from launcher.rank.training import build_training
     from launcher.lms.twin import verify_on_twin
-    from lms_core.plan import Plan
+    from launcher.rank.training import build_training
     from lms_core.planning import tunes
-    from lms_core.simulator import simulate
-    from lms_core.units import format_bytes
-
-    started = time.perf_counter()
-    import keras
 
     keras.backend.clear_session()  # names start afresh, as they will for the gating check's twin
     setup = build_training(recipe, ranks=1, device="CPU:0")
-    target, lines = rank_target(planned_lms, rank=0, local_rank=0, local_size=1, on_gpu=False)
+    target, lines = rank_target(lms, rank=0, local_rank=0, local_size=1, on_gpu=False)
     for line in lines:
         say(line)
-    say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if tunes(planned_lms, target) else ""))
-    rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=planned_lms, compute_device="/device:GPU:0",
+    say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if tunes(lms, target) else ""))
+    rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=lms, compute_device="/device:GPU:0",
                                host_device="/device:CPU:0", target=target)
-    planned = rewritten.planning
     say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
-    device_memory = target.device_memory_bytes
-    baseline, lms = lms_tf.estimate_rewrite(rewritten, device_memory)
+    report = rewritten.report.with_estimate(lms_tf.estimate_rewrite(rewritten, target.device_memory_bytes))
     if rewritten.plan.swaps or rewritten.plan.control_edges:
         say("checking that every swap-in waits for its trigger in what TensorFlow executes (the same step at its "
             "smallest input, on split CPU devices)")
-        try:
-            gating, twin = verify_on_twin(recipe, rewritten.plan)
-        except ValueError as err:
-            print(f"lms-launch plan: error: cannot check the plan: {err}", file=sys.stderr)
-            return 1
-        rewritten.plan.verification = dict(gating.to_dict(), traced_at=twin)
+        report = report.with_verification(verify_on_twin(recipe, rewritten.plan))
+    return rewritten.planning, report, target
 
-    plan = rewritten.plan.to_dict()
-    plan["recipe"] = str(args.recipe)
-    plan["fits"] = {"baseline": baseline.fits, "lms": lms.fits}
+
+def write_plan(report, recipe_path: str, out: Path) -> None:
+    """plan.json, whole or not at all."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (PLAN_FILE + ".tmp")
-    tmp.write_text(json.dumps(plan, indent=2))
+    tmp.write_text(json.dumps(dict(report.to_dict(), recipe=str(recipe_path)), indent=2))
     tmp.replace(out / PLAN_FILE)
 
-    prediction = plan["prediction"]
-    print(f"\n{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size}: "
-          f"{plan['swap_count']} tensor(s) swapped, {format_bytes(plan['swapped_bytes'])} per step to host")
-    print(f"  {plan['cost_model']}")
-    if plan["tuning"]:
-        print(f"  {plan['tuning']}")
-    for warning in plan["warnings"]:
-        print(f"  warning: {warning}")
-    print(f"  simulated on {target.link.name} / {target.device.name}: step {prediction['step_time_s'] * 1000:.0f} ms "
-          f"vs {prediction['unlimited_step_time_s'] * 1000:.0f} ms unswapped, stalls {prediction['stall_time_s'] * 1000:.0f} ms, "
-          f"{prediction['hidden_share']:.0%} of transfer hidden, peak {format_bytes(prediction['peak_device_bytes'])}")
-    for label, estimate in (("without LMS", baseline), ("with LMS", lms)):
-        verdict = "fits" if estimate.fits else "does NOT fit"
-        print(f"  {label:<12} Grappler GPU peak {format_bytes(estimate.device_bytes):>10}: {verdict} in "
-              f"{format_bytes(device_memory)}")
-    if baseline.device_bytes:
-        print(f"  GPU peak with LMS is {lms.device_bytes / baseline.device_bytes:.0%} of the baseline; "
-              f"host memory used {format_bytes(lms.host_bytes)}")
-    verification = plan["verification"]
-    if verification:
-        twin = verification["traced_at"]
-        print(f"  swap-ins gated: {verification['gated']}/{verification['swap_ins']} (in the partition graphs "
-              f"TensorFlow executed for this step at {twin['input_shape']}, batch {twin['batch_size']}, on "
-              f"{verification['devices']['compute']} with host {verification['devices']['host']})")
-        edges = verification["control_edges"]
-        if edges["checked"]:
-            print(f"  backward branches ordered: {edges['kept']}/{edges['checked']} control edges honoured there")
-    print(f"  (estimates and simulations, not GPU measurements; {time.perf_counter() - started:.0f} s)")
-    if args.plot:
-        from launcher.lms.plot import plot_step
 
-        costs = planned.costs
-        unswapped = simulate(planned.graph, Plan(settings=plan["settings"]), costs, target.link, keep_timeline=True)
-        swapped = simulate(planned.graph, rewritten.plan, costs, target.link, keep_timeline=True)
-        plot_step(out / "plan.png", unswapped, swapped, device_memory, int(device_memory * planned_lms.memory_ratio),
-                  f"{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size} on "
-                  f"{target.link.name} / {target.device.name}")
-        print(f"plot written to {out / 'plan.png'}")
-    print(f"plan written to {out / PLAN_FILE}")
-    if verification and verification["ungated"]:
-        first = verification["ungated"][0]
-        print(f"lms-launch plan: error: swap-in {first} does not wait for its trigger: "
-              f"{verification['reasons'][first]}", file=sys.stderr)
-        return 1
-    return 0
+def print_plan(recipe: Recipe, report, seconds: float) -> None:
+    from lms_core.units import format_bytes
+
+    plan = report.plan
+    print(f"\n{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size}: "
+          f"{len(plan.swaps)} tensor(s) swapped, {format_bytes(plan.swapped_bytes)} per step to host")
+    for line in report.lines():
+        print(f"  {line}")
+    print(f"  (estimates and simulations, not GPU measurements; {seconds:.0f} s)")
+
+
+def plot(recipe: Recipe, planned, report, target, path: Path) -> None:
+    """Device memory over the step with and without the plan, and the copy queues."""
+    from launcher.lms.plot import plot_step
+    from lms_core.plan import Plan
+    from lms_core.simulator import simulate
+
+    memory = target.device_memory_bytes
+    unswapped = simulate(planned.graph, Plan(settings=report.plan.settings), planned.costs, target.link,
+                         keep_timeline=True)
+    swapped = simulate(planned.graph, report.plan, planned.costs, target.link, keep_timeline=True)
+    plot_step(path, unswapped, swapped, memory, int(memory * recipe.lms.memory_ratio),
+              f"{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size} on "
+              f"{target.link.name} / {target.device.name}")

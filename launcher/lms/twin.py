@@ -13,6 +13,7 @@ import dataclasses
 
 from launcher.config import Recipe
 from launcher.rank.devices import HOST_DEVICE, SPLIT_COMPUTE_CPU
+from lms_core.report import Verification
 
 TWIN_BATCH = 2  # batch norm needs more than one value per channel at the 1x1 bottom
 
@@ -26,10 +27,10 @@ def twin_recipe(recipe: Recipe) -> Recipe:
         train=dataclasses.replace(recipe.train, batch_size=min(recipe.train.batch_size, TWIN_BATCH)))
 
 
-def verify_on_twin(recipe: Recipe, plan):
-    """(GatingReport, what the twin was) for `plan`, made on `recipe`'s step. Needs split CPU
-    devices (launcher.rank.devices.split_cpu) before TensorFlow started. Raises ValueError when the twin
-    lacks an op the plan names."""
+def verify_on_twin(recipe: Recipe, plan) -> Verification:
+    """The gating check of `plan`, made on `recipe`'s step, run on its twin (the verdict says at
+    which input and batch). Needs split CPU devices (launcher.rank.devices.split_cpu) before
+    TensorFlow started. Raises ValueError when the twin lacks an op the plan names."""
     import keras
 
     import lms_core.tf as lms_tf
@@ -44,4 +45,4 @@ def verify_on_twin(recipe: Recipe, plan):
     rewritten = lms_tf.rewrite_with_plan(setup.step, *setup.specs, plan=plan, compute_device=compute,
                                          host_device=HOST_DEVICE)
     report = verify_gating(rewritten, *sample_inputs(setup.specs, compute))
-    return report, {"input_shape": small.model.input_shape, "batch_size": small.train.batch_size}
+    return report.verification(traced_at=(list(small.model.input_shape), small.train.batch_size))

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from launcher.config import CheckpointConfig
+from launcher.rank.collectives import RankContext, allgather_object, broadcast_object
 
 FORMAT = "lms-launch-checkpoint/1"
 STATE_FILE = "state.bin"
@@ -40,6 +41,7 @@ TRAINED_MODEL_FILE = "model.keras"
 _FINAL_NAME = re.compile(r"^step-(\d{8,})$")
 _TEMP_PREFIX = "."  # temporary and retired folders are hidden: no loader or user mistakes them for a checkpoint
 _WRITE_CHUNK = 64 << 20
+_RANK_STATE = re.compile(r"^rank\d+/")  # another rank's own state: `rank_prefix`
 
 
 class CheckpointError(Exception):
@@ -248,12 +250,14 @@ def state_variables(model, optimizer) -> list[tuple[str, object]]:
 def check_compatible(checkpoint: Checkpoint, tensors: list[tuple[str, np.ndarray]],
                      variables: list[tuple[str, object]]) -> None:
     """Variables are matched by position; the shapes and dtypes must agree, or the recipe's model or
-    optimizer is not the one the checkpoint was written for."""
-    if len(tensors) != len(variables):
+    optimizer is not the one the checkpoint was written for. (Other ranks' own state, saved after
+    them under `rank<r>/`, is checked when it is handed out: `ResumePoint.restore_own_state`.)"""
+    shared = [t for t in tensors if not _RANK_STATE.match(t[0])]
+    if len(shared) != len(variables):
         raise CheckpointError(
-            f"{checkpoint.path} holds {len(tensors)} tensors, this model and optimizer have {len(variables)} "
+            f"{checkpoint.path} holds {len(shared)} tensors, this model and optimizer have {len(variables)} "
             f"variables: resume with the model.* and train.optimizer settings the checkpoint was written with")
-    for (saved_name, array), (name, variable) in zip(tensors, variables):
+    for (saved_name, array), (name, variable) in zip(shared, variables):
         shape, dtype = tuple(variable.shape), np.dtype(variable.dtype)
         if tuple(array.shape) != shape or array.dtype != dtype:
             raise CheckpointError(
@@ -263,25 +267,25 @@ def check_compatible(checkpoint: Checkpoint, tensors: list[tuple[str, np.ndarray
 
 
 class Checkpointer:
-    """Saves the training state at the steps `checkpoint` asks for. Every rank calls `save` at the
-    same steps, because the saved batch-norm statistics are the ranks' mean (a collective: each rank
-    updates them from its own batches, and the mean is what the trained model ends with too); rank 0
-    alone writes."""
+    """Saves the training state at the steps `checkpoint` asks for; rank 0 alone writes.
 
-    def __init__(self, config: CheckpointConfig, model, optimizer, rank: int, size: int,
+    Every rank keeps its own batch-norm moving statistics (each updates them from its own batches;
+    only the trained model, at the end, takes their mean). So a save gathers every rank's own
+    non-trainable state, and a checkpoint holds rank 0's in `model/...` and rank r's in
+    `rank<r>/model/...`: a run resumed on as many ranks then equals an uninterrupted one bit for bit.
+    `save` is a collective: every rank calls it at the same steps."""
+
+    def __init__(self, config: CheckpointConfig, model, optimizer, ctx: RankContext,
                  log: Callable[[str], None] | None, metadata: dict | None = None):
         self.config = config
         self.directory = Path(config.dir) if config.dir else None
-        self.rank, self.size = rank, size
+        self.ctx = ctx
         self.log = log or (lambda line: None)
         self.metadata = metadata or {}
         self.last_saved: Path | None = None
         self._variables = state_variables(model, optimizer)
-        trainable = {id(v) for v in model.trainable_variables}
-        self._averaged = [i for i, (name, v) in enumerate(self._variables)
-                          if name.startswith("model/") and id(v) not in trainable]
-        self._mean = None
-        if self.enabled and self.rank == 0:
+        self._own = own_state_variables(model)
+        if self.enabled and ctx.is_root:
             for path in remove_interrupted_saves(self.directory):
                 self.log(f"removed {path}, left by a save that was cut short")
 
@@ -297,25 +301,34 @@ class Checkpointer:
         """Collective. Returns the checkpoint's path on rank 0, None elsewhere."""
         import keras
 
-        values = [v.value for _, v in self._variables]
-        if self.size > 1 and self._averaged:
-            if self._mean is None:
-                from launcher.rank.training import make_mean_across_ranks
-
-                self._mean = make_mean_across_ranks([self._variables[i][1] for i in self._averaged])
-            for index, mean in zip(self._averaged, self._mean()):
-                values[index] = mean
-        if self.rank != 0:
+        own = [keras.ops.convert_to_numpy(v.value) for _, v in self._own]
+        everyone = allgather_object(self.ctx, own) if self._own else [own]
+        if not self.ctx.is_root:
             return None
         started = time.perf_counter()
-        tensors = [(name, keras.ops.convert_to_numpy(value)) for (name, _), value in zip(self._variables, values)]
-        path = write_checkpoint(self.directory, step, tensors, {"ranks": self.size, **self.metadata})
+        tensors = [(name, keras.ops.convert_to_numpy(v.value)) for name, v in self._variables]
+        tensors += [(f"{rank_prefix(rank)}{name}", value)
+                    for rank, values in enumerate(everyone) if rank > 0
+                    for (name, _), value in zip(self._own, values)]
+        path = write_checkpoint(self.directory, step, tensors, {"ranks": self.ctx.size, **self.metadata})
         removed = prune(self.directory, self.config.keep)
         size = sum(a.nbytes for _, a in tensors)
         self.log(f"checkpoint {path} ({size / 2**20:.1f} MiB, {time.perf_counter() - started:.2f} s)"
                  + (f"; removed {len(removed)} older" if removed else ""))
         self.last_saved = path
         return path
+
+
+def own_state_variables(model) -> list[tuple[str, object]]:
+    """The state each rank keeps for itself, named as in `state_variables`: the model's variables
+    that are not trained (batch-norm moving statistics)."""
+    trainable = {id(v) for v in model.trainable_variables}
+    return [(f"model/{v.path}", v) for v in model.variables if id(v) not in trainable]
+
+
+def rank_prefix(rank: int) -> str:
+    """The prefix of rank `rank`'s own state in a checkpoint (rank 0's is the plain name)."""
+    return f"rank{rank}/"
 
 
 def check_folder(config: CheckpointConfig, resume: bool) -> None:
@@ -339,14 +352,36 @@ def check_folder(config: CheckpointConfig, resume: bool) -> None:
             f"continue from it with --resume, or give a new checkpoint.dir")
 
 
-def restore_on_rank0(config: CheckpointConfig, model, optimizer, total_steps: int, resume: bool,
-                     log: Callable[[str], None]) -> int:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where training continues: after `step` (0 for a new run), and, when resumed, every rank's own
+    non-trainable state as the checkpoint holds it (rank 0's first), or None when there is nothing
+    of the ranks' own to give back (a new run, or a model without such state)."""
+
+    step: int
+    own_states: list[list[np.ndarray]] | None = None
+    note: str = ""  # said once, on rank 0, when the ranks' own state cannot be given back as saved
+
+    def restore_own_state(self, model, ctx: RankContext, log: Callable[[str], None]) -> None:
+        """Gives this rank its own batch-norm statistics back. Call after the broadcast of rank 0's
+        variables, which overwrote them with rank 0's."""
+        if self.note:
+            log(self.note)
+        if self.own_states is None:
+            return
+        for (_, variable), value in zip(own_state_variables(model), self.own_states[ctx.rank]):
+            variable.assign(value)
+
+
+def restore_on_rank0(config: CheckpointConfig, model, optimizer, total_steps: int, resume: bool, ranks: int,
+                     log: Callable[[str], None]) -> ResumePoint:
     """Rank 0's start: with `resume`, loads the newest complete checkpoint into the model and
-    optimizer and returns its step; without, checks that the folder holds no checkpoints of another
-    run and returns 0. (The worker then broadcasts rank 0's variables to every rank.)"""
+    optimizer and returns where training continues, with the state of each of `ranks` ranks; without,
+    checks that the folder holds no checkpoints of another run. (The worker then broadcasts rank 0's
+    variables to every rank, and each rank takes its own state back.)"""
     check_folder(config, resume)
     if not resume:
-        return 0
+        return ResumePoint(0)
     directory = Path(config.dir)
     found = load_newest(directory, log=log)
     if found is None:
@@ -360,28 +395,48 @@ def restore_on_rank0(config: CheckpointConfig, model, optimizer, total_steps: in
     for (_, array), (_, variable) in zip(tensors, variables):
         variable.assign(array)
     log(f"resumed from {checkpoint.path}: training continues at step {checkpoint.step + 1} of {total_steps}")
-    return checkpoint.step
+    own = {id(v) for _, v in own_state_variables(model)}
+    # Matched by position, as every variable is (`check_compatible`): the names the checkpoint gave them.
+    own_names = [saved_name for (saved_name, _), (_, variable) in zip(tensors, variables) if id(variable) in own]
+    own_states, note = saved_own_states(checkpoint, dict(tensors), own_names, ranks)
+    return ResumePoint(checkpoint.step, own_states, note)
 
 
-def starting_step(config: CheckpointConfig, model, optimizer, rank: int, size: int, total_steps: int,
-                  resume: bool, log: Callable[[str], None]) -> int:
+def saved_own_states(checkpoint: Checkpoint, saved: dict[str, np.ndarray], own_names: list[str],
+                     ranks: int) -> tuple[list[list[np.ndarray]] | None, str]:
+    """Each of `ranks` ranks' own state (`own_names`, as the checkpoint names rank 0's) from a
+    checkpoint: as saved when it was written by as many ranks; otherwise every rank starts from the
+    saved ranks' mean (what the trained model would hold), and the note says so."""
+    if not own_names:
+        return None, ""
+    written_by = int(checkpoint.manifest.get("ranks", 1))
+    states = [[saved[f"{rank_prefix(rank) if rank else ''}{name}"] for name in own_names] for rank in range(written_by)
+              if all(f"{rank_prefix(rank) if rank else ''}{name}" in saved for name in own_names)]
+    if len(states) == ranks:
+        return states, ""
+    mean = [np.mean(np.stack([state[i] for state in states]), axis=0).astype(states[0][i].dtype)
+            for i in range(len(own_names))]
+    how = (f"it was written by {written_by} rank(s) and this run has {ranks}" if written_by != ranks
+           else "it holds one set for all ranks (written before each rank's own was kept)")
+    return [mean] * ranks, (f"{checkpoint.path}: every rank starts from the mean of the saved batch-norm "
+                            f"statistics, since {how}; the run is not bit-identical to an uninterrupted one")
+
+
+def resume_point(config: CheckpointConfig, model, optimizer, ctx: RankContext, total_steps: int, resume: bool,
+                 log: Callable[[str], None]) -> ResumePoint:
     """Collective: rank 0 restores (or checks the folder, see `restore_on_rank0`) and every rank
-    learns the step training continues after, or rank 0's error as a CheckpointError, so all ranks
-    stop together instead of some waiting in a collective for a rank that left."""
-    outcome: tuple[int, str | None] = (0, None)
-    if rank == 0:
+    learns where training continues, or rank 0's error as a CheckpointError, so all ranks stop
+    together instead of some waiting in a collective for a rank that left."""
+    outcome: tuple[ResumePoint | None, str | None] = (ResumePoint(0), None)
+    if ctx.is_root:
         try:
-            outcome = (restore_on_rank0(config, model, optimizer, total_steps, resume, log), None)
+            outcome = (restore_on_rank0(config, model, optimizer, total_steps, resume, ctx.size, log), None)
         except CheckpointError as err:
-            outcome = (0, str(err))
-    if size > 1:
-        import horovod.tensorflow as hvd
-
-        outcome = hvd.broadcast_object(outcome, root_rank=0, name="lms_launch_starting_step")
-    step, error = outcome
+            outcome = (None, str(err))
+    point, error = broadcast_object(ctx, outcome, name="lms_launch_resume_point")
     if error is not None:
         raise CheckpointError(error)
-    return step
+    return point
 
 
 def save_trained_model(model, run_dir: str | Path) -> Path:

@@ -1,17 +1,12 @@
 """Out of memory on a rank's device: say which settings would make the step fit, not only TensorFlow's trace.
 
 TensorFlow reports a failed allocation as `tf.errors.ResourceExhaustedError` ("OOM when allocating
-tensor with shape[...]"), after dumping its allocator's state. The worker runs training inside
-`explain_out_of_memory`, and the LMS set-up (which runs steps to check or profile the rewrite) with
-`report_out_of_memory`: both turn that error into a short message that names the allocation, the
-rank, the device, and the LMS and batch settings to change, and end the rank with
-`OUT_OF_MEMORY_STATUS`.
+tensor with shape[...]"), after dumping its allocator's state. The worker turns that error, from
+training or from the LMS set-up (which runs steps to check or profile the rewrite), into this short
+message naming the allocation, the rank, the device, and the LMS and batch settings to change, and
+ends the rank with `OUT_OF_MEMORY_STATUS`.
 """
 from __future__ import annotations
-
-import contextlib
-import sys
-from typing import Iterator
 
 from launcher.config import Recipe
 
@@ -45,22 +40,3 @@ def out_of_memory_advice(recipe: Recipe, rank: int, device: str, error_text: str
     lines.append(f"  Or lower train.batch_size (now {batch}). `lms-launch plan RECIPE --device-memory SIZE` "
                  f"estimates the peak of a setting without a GPU.")
     return "\n".join(lines)
-
-
-def report_out_of_memory(recipe: Recipe, rank: int, device: str, error) -> int:
-    """Prints `out_of_memory_advice` for a tf.errors.ResourceExhaustedError; returns the exit status."""
-    message = out_of_memory_advice(recipe, rank, device, error.message or str(error))
-    print(f"lms-launch worker: {message}", file=sys.stderr, flush=True)
-    return OUT_OF_MEMORY_STATUS
-
-
-@contextlib.contextmanager
-def explain_out_of_memory(recipe: Recipe, rank: int, device: str) -> Iterator[None]:
-    """Runs the body; an out-of-memory error in it prints `out_of_memory_advice` and ends the
-    process with OUT_OF_MEMORY_STATUS."""
-    import tensorflow as tf
-
-    try:
-        yield
-    except tf.errors.ResourceExhaustedError as err:
-        raise SystemExit(report_out_of_memory(recipe, rank, device, err)) from None

@@ -59,7 +59,9 @@ class StopRequest:
         if self.size == 1:
             return bool(local)
         if self._agree is None:
-            self._agree = _make_agreement()
+            from launcher.rank.collectives import make_max_across_ranks
+
+            self._agree = make_max_across_ranks()
         # The largest signal number wins, so every rank also agrees on which signal it was.
         agreed = self._pending.result() if self._pending is not None else 0
         self._pending = _Round(self._agree, local)
@@ -106,14 +108,3 @@ class _Round:
             raise self._error
         return self._value
 
-
-def _make_agreement() -> Callable[[int], int]:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    def agree(value: int) -> int:
-        with tf.device("/device:CPU:0"):
-            flags = hvd.allreduce(tf.constant([value], tf.int32), op=hvd.Max, name="lms_launch_stop_request")
-        return int(flags.numpy()[0])
-
-    return agree

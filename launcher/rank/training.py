@@ -1,14 +1,16 @@
-"""One training loop for every task: build, broadcast, trace, hand to LMS, train, measure.
+"""One training loop for every task: build the model and its step, train, measure.
 
-Keras 3 variables break `hvd.DistributedGradientTape` and `horovod.tensorflow.keras` (DESIGN.md), so
-the step averages gradients with the tensor-level `hvd.grouped_allreduce` and the initial broadcast
-assigns `hvd.broadcast(v.value, 0)` to each variable.
+Keras 3 variables break `hvd.DistributedGradientTape` and `horovod.tensorflow.keras`, so the step
+averages gradients with the tensor-level `hvd.grouped_allreduce` (and launcher.rank.collectives
+broadcasts the initial weights with `hvd.broadcast`). With one rank the step has no collective and
+Horovod is not imported.
 """
 from __future__ import annotations
 
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import keras
@@ -16,23 +18,13 @@ import numpy as np
 import tensorflow as tf
 
 from launcher.config import Recipe, TrainConfig
+from launcher.rank.collectives import RankContext, barrier
 from launcher.rank.metrics import DeviceMemoryMonitor, IntervalRecord, host_rss_bytes
 from launcher.rank.tasks.base import Task
 
 if TYPE_CHECKING:
     from launcher.rank.checkpoint import Checkpointer
     from launcher.rank.stop import StopRequest
-
-
-@dataclass
-class RankContext:
-    """Who this process is among the ranks and what it computes on."""
-
-    rank: int
-    size: int
-    local_rank: int
-    host: str
-    device: str  # "GPU:0" (the one GPU this rank sees) or "CPU:0"
 
 
 @dataclass
@@ -82,8 +74,10 @@ def build_optimizer(train: TrainConfig, ranks: int) -> keras.optimizers.Optimize
 
 def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, task: Task,
                     ranks: int) -> Callable:
-    """The training step as a tf.function: forward, backward, allreduce, update. Returns the loss."""
-    import horovod.tensorflow as hvd
+    """The training step as a tf.function: forward, backward, allreduce (with more than one rank),
+    update. Returns the loss."""
+    if ranks > 1:
+        import horovod.tensorflow as hvd
 
     scale_loss = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
@@ -102,47 +96,6 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, t
     return train_step
 
 
-def broadcast_from_rank0(variables: list) -> None:
-    """Gives every rank rank 0's values (weights and optimizer state) before the first step."""
-    import horovod.tensorflow as hvd
-
-    @tf.function
-    def broadcast():
-        for i, variable in enumerate(variables):
-            variable.assign(hvd.broadcast(variable.value, root_rank=0, name=f"broadcast_{i}"))
-
-    broadcast()
-
-
-def make_mean_across_ranks(variables: list) -> Callable[[], list]:
-    """A collective that returns the ranks' mean of each variable's value, leaving the variables as
-    they are (traced once; call it as often as needed)."""
-    import horovod.tensorflow as hvd
-
-    @tf.function
-    def mean():
-        return hvd.grouped_allreduce([v.value for v in variables], op=hvd.Average)
-
-    return mean
-
-
-def average_across_ranks(variables: list) -> None:
-    """Averages non-trained state (batch-norm moving statistics), which each rank updates from its
-    own batches, so the final model is the same everywhere."""
-    if not variables:
-        return
-    for variable, mean in zip(variables, make_mean_across_ranks(variables)()):
-        variable.assign(mean)
-
-
-def barrier() -> None:
-    """Returns once every rank has called it (a one-number allreduce)."""
-    import horovod.tensorflow as hvd
-
-    with tf.device("/device:CPU:0"):
-        hvd.allreduce(tf.constant([1], tf.int32), op=hvd.Sum, name="lms_launch_barrier").numpy()
-
-
 def weights_fingerprint(variables: list) -> str:
     """sha256 of every weight's bytes: equal fingerprints mean bit-identical replicas."""
     digest = hashlib.sha256()
@@ -151,7 +104,7 @@ def weights_fingerprint(variables: list) -> str:
     return digest.hexdigest()
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
     """What the loop hands back: the interval records, losses, and where and why it ended."""
 
@@ -160,6 +113,8 @@ class TrainResult:
     final_loss: float
     last_step: int
     stopped_by: str = ""  # the signal's name when the ranks were asked to stop early; empty when training finished
+    stop_status: int = 0  # the exit status a stopped rank ends with (128 + the signal number)
+    last_checkpoint: Path | None = None  # the newest checkpoint this run saved, if any
 
 
 def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
@@ -219,13 +174,17 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
             checkpointer.save(step_number)
         if stopping:
             stop.close()
-            if ctx.size > 1:
-                barrier()  # no rank leaves (and makes horovodrun end the others) while rank 0 still writes
-            return TrainResult(records, initial_loss, float(loss), step_number, stop.signal_name)
+            barrier(ctx)  # no rank leaves (and makes horovodrun end the others) while rank 0 still writes
+            return TrainResult(records, initial_loss, float(loss), step_number, stop.signal_name, stop.exit_status,
+                               saved(checkpointer))
     final_loss = float(loss)
     if stop is not None:
         stop.close()
-    return TrainResult(records, initial_loss, final_loss, train_cfg.steps)
+    return TrainResult(records, initial_loss, final_loss, train_cfg.steps, last_checkpoint=saved(checkpointer))
+
+
+def saved(checkpointer: "Checkpointer | None") -> Path | None:
+    return checkpointer.last_saved if checkpointer is not None else None
 
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

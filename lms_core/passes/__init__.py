@@ -29,3 +29,4 @@ def run_passes(graph: Graph, passes: list[Pass], available: frozenset[str] = fro
         have |= p.ensures
     for p in passes:
         p.run(graph)
+        graph.analyses |= p.ensures

@@ -4,6 +4,8 @@
                                     compute_device="/device:GPU:0", host_device="/device:CPU:0")
     loss = rewritten(images, labels)   # same inputs, outputs and variable updates as step
     rewritten.plan                     # what was swapped, and why other tensors were not
+    rewritten.report                   # the plan with its target and prediction (lms_core.report)
+    lms_core.tf.estimate_rewrite(rewritten, 16 << 30)              # Grappler's peaks, without and with
     lms_core.tf.gating.verify_gating(rewritten, images, labels)   # proven on the executed partitions
 
 It traces the step, describes its graph in the framework-neutral IR, hands it to
@@ -17,6 +19,7 @@ from lms_core.config import LMSConfig, SettingError
 from lms_core.graph import Graph
 from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
+from lms_core.report import MemoryEstimate, PlanReport
 from lms_core.planner import device_kind
 from lms_core.planning import Planning, Target, plan_graph
 from lms_core.tf.apply import Placement, apply_plan, host_ops
@@ -51,7 +54,7 @@ def trace_step(step, *input_specs) -> TracedStep:
     return TracedStep(concrete, analyze(graph_ir(concrete.graph)), batch)
 
 
-def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0"):
+def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0") -> tuple:
     """Traces `step` and plans its swaps with the config's own settings: (concrete, IR, plan)."""
     check_device("compute_device", compute_device)
     traced = trace_step(step, *input_specs)
@@ -85,27 +88,24 @@ def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_
     missing = next((name for name in referenced if name not in traced.graph.ops), None)
     if missing is not None:
         raise ValueError(f"the plan refers to op {missing!r}, which this trace of the step does not have")
-    return _applied(traced, Planning(traced.graph, plan), compute_device, host_device, Placement.GATED_ON_HOST)
+    return _applied(traced, Planning(traced.graph, PlanReport(plan), traced=traced.graph), compute_device, host_device,
+                    Placement.GATED_ON_HOST)
 
 
 def _applied(traced: TracedStep, planning: Planning, compute_device: str, host_device: str,
              placement: Placement) -> RewrittenStep:
     graph_def = apply_plan(traced.concrete.graph.as_graph_def(), planning.plan, compute_device, host_device, placement)
-    return RewrittenStep(traced.concrete, graph_def, planning.plan, planning=planning, compute_device=compute_device,
-                         host_device=host_device, host_ops=frozenset(host_ops(planning.plan, placement)))
+    return RewrittenStep(traced.concrete, graph_def, planning, compute_device=compute_device, host_device=host_device,
+                         host_ops=frozenset(host_ops(planning.plan, placement)))
 
 
-def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> tuple[PeakEstimate, PeakEstimate]:
+def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> MemoryEstimate:
     """Grappler's peak estimates for the original and the rewritten step on a virtual GPU of this
-    size, with the rewrite's host-side ops on the host; also written into `rewritten.plan`
-    (`estimated_peak_bytes`, `estimated_host_bytes`)."""
+    size, with the rewrite's host-side ops on the host."""
     baseline = estimate_peak(rewritten.concrete.graph.as_graph_def(), rewritten.concrete, device_memory_bytes)
     lms = estimate_peak(rewritten.graph_def, rewritten.concrete, device_memory_bytes, host_ops=rewritten.host_ops)
-    plan = rewritten.plan
-    plan.device_memory_bytes = device_memory_bytes
-    plan.estimated_peak_bytes = {"baseline": baseline.device_bytes, "lms": lms.device_bytes}
-    plan.estimated_host_bytes = lms.host_bytes
-    return baseline, lms
+    return MemoryEstimate(baseline_bytes=baseline.device_bytes, lms_bytes=lms.device_bytes, host_bytes=lms.host_bytes,
+                          device_memory_bytes=device_memory_bytes)
 
 
 __all__ = ["Target", "Planning", "TracedStep", "Placement", "estimate_rewrite", "estimate_peak", "PeakEstimate",

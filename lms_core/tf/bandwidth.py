@@ -1,6 +1,13 @@
-"""Measure a rank's host-device copy rates on its GPU (`lms.measure_link: true`)."""
+"""Measure a rank's host-device copy rates on its GPU (`lms.measure_link: true`).
+
+A copy of n bytes takes about latency + n / rate. Copies of three sizes are timed (the median of a
+few repeats each, after a warm-up round), and a straight line through (bytes, seconds) gives both:
+its slope is 1 / rate, the rate large activations see, and its intercept the fixed cost of a copy,
+which small copies are dominated by and which a single small copy would fold into a lower rate.
+"""
 from __future__ import annotations
 
+import statistics
 import time
 
 import tensorflow as tf
@@ -11,24 +18,35 @@ SIZES = (16 << 20, 64 << 20, 256 << 20)
 
 
 def measure_link(gpu: str = "/device:GPU:0", host: str = "/device:CPU:0", repeats: int = 5) -> LinkRates:
-    """Median rates of H2D and D2H copies of 16, 64 and 256 MiB (the largest size's rates: small
-    copies are latency-bound and would understate what activations see)."""
-    rates = {}
+    """The H2D and D2H rates of the line fitted through copies of 16, 64 and 256 MiB."""
+    h2d, d2h = {}, {}
     for size in SIZES:
         with tf.device(host):
             on_host = tf.ones([size // 4], tf.float32)
-        h2d, d2h = [], []
+        ups, downs = [], []
         for _ in range(repeats + 1):  # the first round warms the allocators up
             started = time.perf_counter()
             with tf.device(gpu):
                 on_device = tf.identity(on_host)
                 float(on_device[0])  # wait for the copy
-            h2d.append(size / (time.perf_counter() - started))
+            ups.append(time.perf_counter() - started)
             started = time.perf_counter()
             with tf.device(host):
                 back = tf.identity(on_device)
                 float(back[0])
-            d2h.append(size / (time.perf_counter() - started))
-        rates[size] = (sorted(h2d[1:])[repeats // 2], sorted(d2h[1:])[repeats // 2])
-    h2d_rate, d2h_rate = rates[SIZES[-1]]
-    return LinkRates("measured", h2d_rate, d2h_rate, f"measured on {gpu}: copies of {SIZES[-1] >> 20} MiB")
+            downs.append(time.perf_counter() - started)
+        h2d[size], d2h[size] = statistics.median(ups[1:]), statistics.median(downs[1:])
+    (h2d_rate, h2d_latency), (d2h_rate, d2h_latency) = fit_copy_times(h2d), fit_copy_times(d2h)
+    return LinkRates("measured", h2d_rate, d2h_rate,
+                     f"measured on {gpu}: copies of {', '.join(str(s >> 20) for s in SIZES)} MiB, latency "
+                     f"{h2d_latency * 1e6:.0f} us H2D / {d2h_latency * 1e6:.0f} us D2H")
+
+
+def fit_copy_times(seconds_by_bytes: dict[int, float]) -> tuple[float, float]:
+    """(bytes per second, seconds of fixed cost) of the least-squares line through the timings."""
+    sizes = list(seconds_by_bytes)
+    slope, intercept = statistics.linear_regression(sizes, [seconds_by_bytes[s] for s in sizes])
+    if slope <= 0:  # timings too noisy to tell a rate from them: take the largest copy's
+        largest = max(sizes)
+        return largest / seconds_by_bytes[largest], 0.0
+    return 1.0 / slope, max(0.0, intercept)

@@ -25,6 +25,7 @@ from tensorflow.python.eager import context
 
 from lms_core.plan import Plan
 from lms_core.planner import device_id
+from lms_core.report import Verification
 from lms_core.tf.reimport import IMPORT_SCOPE
 
 SEND, RECV = "_Send", "_Recv"
@@ -62,20 +63,14 @@ class GatingReport:
     def all_gated(self) -> bool:
         return not self.ungated
 
-    def summary(self) -> str:
-        return f"swap-ins gated: {self.gated}/{len(self.gates)} (on {self.compute_device}, host {self.host_device})"
-
-    def to_dict(self) -> dict:
-        """The plan's `verification` field."""
-        return {"gated": self.gated, "swap_ins": len(self.gates), "ungated": [g.swap_in for g in self.ungated],
-                "reasons": {g.swap_in: g.reason for g in self.ungated},
-                "control_edges": {"kept": self.edges_kept, "checked": self.edges_checked, "broken": self.edges_broken},
-                "devices": {"compute": self.compute_device, "host": self.host_device},
-                "checked_on": "the partition graphs of one executed step"}
-
-    def first_failure(self) -> str:
-        gate = self.ungated[0]
-        return f"{gate.swap_in} (trigger {gate.trigger}): {gate.reason}"
+    def verification(self, traced_at: tuple[list[int], int] | None = None) -> Verification:
+        """The report's verdict (lms_core.report); `traced_at` (input shape, batch) when the check
+        ran on the step's structural twin rather than on the step itself."""
+        return Verification(
+            gated=self.gated, swap_ins=len(self.gates), ungated=tuple(g.swap_in for g in self.ungated),
+            reasons={g.swap_in: g.reason for g in self.ungated}, edges_kept=self.edges_kept,
+            edges_checked=self.edges_checked, edges_broken=tuple(self.edges_broken),
+            compute_device=self.compute_device, host_device=self.host_device, traced_at=traced_at)
 
 
 def executed_partitions(rewritten, *inputs) -> list[graph_pb2.GraphDef]:

@@ -15,13 +15,12 @@ IMPORT_SCOPE = "lms_step"
 class RewrittenStep:
     """Called like the original step: same inputs, same outputs, same variables updated.
 
-    Besides the callable: `plan`, `graph_def` (the rewritten graph), `concrete` (the traced original),
-    `planning` (the IR, tuning and simulation behind the plan, when it was made here), the device
-    pair the rewrite placed its ops on, and `host_ops` (the added ops on the host)."""
+    Besides the callable: `graph_def` (the rewritten graph), `concrete` (the traced original),
+    `planning` (lms_core.planning: the plan, its report, and the IR, tuning and simulation behind it),
+    the device pair the rewrite placed its ops on, and `host_ops` (the added ops on the host)."""
 
-    def __init__(self, concrete, graph_def, plan, planning=None, compute_device: str = "", host_device: str = "",
+    def __init__(self, concrete, graph_def, planning, compute_device: str = "", host_device: str = "",
                  host_ops: frozenset[str] = frozenset()):
-        self.plan = plan
         self.graph_def = graph_def
         self.concrete = concrete
         self.planning = planning
@@ -35,6 +34,16 @@ class RewrittenStep:
         self._variables = tuple(graph.variables)  # held, as the captured handles are: the step uses them
         self._structured_outputs = concrete.structured_outputs
         self._function = self.instantiate()
+
+    @property
+    def plan(self):
+        """What is swapped (lms_core.plan.Plan)."""
+        return self.planning.plan
+
+    @property
+    def report(self):
+        """The plan with its target and prediction (lms_core.report.PlanReport)."""
+        return self.planning.report
 
     @property
     def variables(self) -> list:

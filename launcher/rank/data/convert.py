@@ -3,6 +3,7 @@
     lms-launch tfrecord --kind images  --out DIR --from-npz data.npz      # arrays `images`, `labels`
     lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz      # arrays `volumes`, `masks`
     lms-launch tfrecord --kind images  --out DIR --synthetic 256 --shape 64,64,3 --classes 10
+    lms-launch tfrecord --kind volumes --out DIR --synthetic 8 --shape 32,32,32,4 --labels 3
 
 Exit status 0 when the files are written, 2 for bad input (nothing is written then).
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.rank.data.tfrecord import (
-    KINDS, MAX_MASK_LABEL, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
+    KINDS, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
 )
 
 NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks")}
@@ -42,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--from-npz", metavar="FILE", type=Path, help="NumPy .npz with images+labels or volumes+masks")
     source.add_argument("--synthetic", type=int, metavar="N", help="N learnable synthetic samples")
     p.add_argument("--shape", help="with --synthetic: one sample's shape, e.g. 64,64,3 or 32,32,32,4")
-    p.add_argument("--classes", type=int, help="with --synthetic: number of labels (default 10)")
+    p.add_argument("--classes", type=int, help="with --synthetic images: number of classes (default 10)")
+    p.add_argument("--labels", type=int, help="with --synthetic volumes: binary label maps per voxel, nested "
+                                              "like BraTS's tumour regions (default 3)")
     p.add_argument("--seed", type=int, help="with --synthetic: random seed (default 0)")
     return p
 
@@ -83,8 +86,10 @@ def parse_shape(text: str, kind: str) -> list[int]:
 
 def synthetic(kind: str, count: int, shape: list[int], classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Samples whose labels follow from their content, so a model can learn them rather than memorise
-    noise: an image's class is its brightness bin; a voxel's label is the bin of its neighbourhood's
-    mean in the first channel (blobs, like tumours). Bins are equally likely."""
+    noise. Images: the class is the brightness bin (`classes` bins, equally likely). Volumes: `classes`
+    binary label maps from the mean of each voxel's neighbourhood in the first channel: map k marks
+    the top 2^-(k+1) of those means (a half, a quarter, ...), so each map lies inside the one before,
+    like BraTS's enhancing tumour inside the tumour core inside the whole tumour."""
     rng = np.random.default_rng(seed)
     if kind == "images":
         brightness = rng.random(count, dtype=np.float32)
@@ -94,10 +99,10 @@ def synthetic(kind: str, count: int, shape: list[int], classes: int, seed: int) 
         return np.round(images * 255).astype(np.uint8), labels
     volumes = rng.random((count, *shape), dtype=np.float32)
     smooth = box_blur_3d(volumes[..., 0])
-    # Quantile cut points make the labels equally frequent; cuts from the value range would leave the
-    # outer labels almost empty (a mean of 27 values clusters around 0.5).
-    cuts = np.quantile(smooth, np.arange(1, classes) / classes)
-    return volumes, np.digitize(smooth, cuts).astype(np.uint8)
+    # Cut points at quantiles give each map its share; cuts from the value range would leave the
+    # smaller maps almost empty (a mean of 27 values clusters around 0.5).
+    cuts = np.quantile(smooth, [1 - 0.5 ** (k + 1) for k in range(classes)])
+    return volumes, (smooth[..., None] >= cuts).astype(np.uint8)
 
 
 def box_blur_3d(values: np.ndarray) -> np.ndarray:
@@ -116,8 +121,8 @@ def box_blur_3d(values: np.ndarray) -> np.ndarray:
 def samples_from(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
     """The arrays to write, from --from-npz or --synthetic, checked against the schema."""
     if args.from_npz:
-        given = [flag for flag, value in (("--shape", args.shape), ("--classes", args.classes), ("--seed", args.seed))
-                 if value is not None]
+        given = [flag for flag, value in (("--shape", args.shape), ("--classes", args.classes),
+                                          ("--labels", args.labels), ("--seed", args.seed)) if value is not None]
         if given:
             raise ConvertError(f"{', '.join(given)} only apply with --synthetic")
         inputs, labels = load_npz(args.from_npz, args.kind)
@@ -131,16 +136,25 @@ def samples_from(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def synthetic_settings(args: argparse.Namespace) -> tuple[int, list[int], int, int]:
+    """(count, shape, classes for images or label maps for volumes, seed) from the flags."""
     if args.synthetic < 1:
         raise ConvertError(f"--synthetic must be >= 1; got {args.synthetic}")
     if not args.shape:
         raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images) or 32,32,32,4 (volumes)")
     shape = parse_shape(args.shape, args.kind)
-    classes = 10 if args.classes is None else args.classes
-    most = MAX_MASK_LABEL + 1 if args.kind == "volumes" else None
-    if classes < 2 or (most and classes > most):
-        rule = f"in [2, {most}] (masks are uint8)" if most else ">= 2"
-        raise ConvertError(f"--classes must be {rule}; got {classes}")
+    if args.kind == "images":
+        if args.labels is not None:
+            raise ConvertError("--labels is for volumes (binary label maps per voxel); images take --classes")
+        classes = 10 if args.classes is None else args.classes
+        if classes < 2:
+            raise ConvertError(f"--classes must be >= 2; got {classes}")
+    else:
+        if args.classes is not None:
+            raise ConvertError("--classes is for images; volumes take --labels (binary label maps per voxel, "
+                               "model.labels, default 3)")
+        classes = 3 if args.labels is None else args.labels
+        if classes < 1:
+            raise ConvertError(f"--labels must be >= 1; got {classes}")
     return args.synthetic, shape, classes, 0 if args.seed is None else args.seed
 
 

@@ -8,8 +8,9 @@ input pipeline, not the model, the thing being measured):
               label     int64        the class, in [0, model.classes)
               shape     int64 list   [H, W, C]
     volumes   volume    bytes        float32 (little-endian), D*H*W*C values, row-major (C fastest)
-              mask      bytes        uint8, D*H*W values: the label of each voxel, in [0, model.classes)
-              shape     int64 list   [D, H, W, C]
+              mask      bytes        uint8, D*H*W*L values, row-major (L fastest): L = model.labels
+                                     binary label maps, each voxel 0 or 1 in each
+              shape     int64 list   [D, H, W, C] (the volume's; the mask's L follows from its length)
 
 Files are named `<prefix>-00000-of-00004.tfrecord`; samples are dealt round-robin over the shards.
 docs/data.md is the user-facing version of this page.
@@ -53,7 +54,7 @@ SCHEMAS = {
     "volumes": RecordSchema("volumes", "volume", np.float32, "mask", "[D, H, W, C]"),
 }
 KINDS = tuple(SCHEMAS)
-MAX_MASK_LABEL = 255  # masks are stored one uint8 per voxel
+BRATS_LABELS = (1, 2, 4)  # BraTS: necrotic and non-enhancing core, oedema, enhancing tumour (0: background)
 
 
 def schema_of(kind: str) -> RecordSchema:
@@ -88,19 +89,44 @@ def _dtype_hint(kind: str) -> str:
 
 
 def _check_labels(kind: str, input_shape: tuple[int, ...], labels: np.ndarray) -> None:
-    name = "labels" if kind == "images" else "masks"
-    want = input_shape[:1] if kind == "images" else input_shape[:4]
-    layout = "[N]" if kind == "images" else "[N, D, H, W]"
-    if labels.shape != want:
-        raise ValueError(f"{kind}: {name} must be {layout} = {list(want)}; got {list(labels.shape)}")
-    # Binary masks are often bool; they are labels 0 and 1.
-    if not (np.issubdtype(labels.dtype, np.integer) or labels.dtype == np.bool_):
-        raise ValueError(f"{kind}: {name} must be integers; got {labels.dtype}")
-    if labels.size and labels.min() < 0:
-        raise ValueError(f"{kind}: {name} must be >= 0; got {labels.min()}")
-    if kind == "volumes" and labels.size and labels.max() > MAX_MASK_LABEL:
-        raise ValueError(f"volumes: mask labels are stored as uint8 and must be <= {MAX_MASK_LABEL}; "
-                         f"got {labels.max()}")
+    if kind == "images":
+        if labels.shape != input_shape[:1]:
+            raise ValueError(f"images: labels must be [N] = [{input_shape[0]}]; got {list(labels.shape)}")
+        if not (np.issubdtype(labels.dtype, np.integer) or labels.dtype == np.bool_):
+            raise ValueError(f"images: labels must be integers; got {labels.dtype}")
+        if labels.size and labels.min() < 0:
+            raise ValueError(f"images: labels must be >= 0; got {labels.min()}")
+        return
+    voxels = list(input_shape[:4])
+    if labels.ndim != 5 or list(labels.shape[:4]) != voxels or labels.shape[4] < 1:
+        hint = ""
+        if list(labels.shape) == voxels:
+            hint = (": one binary map per label on the last axis; a single binary mask is masks[..., None], "
+                    "a BraTS label map (0, 1, 2, 4) becomes three nested maps with brats_regions(masks)")
+        want = ", ".join(str(d) for d in voxels)
+        raise ValueError(f"volumes: masks must be [N, D, H, W, L] = [{want}, L] (L binary label maps); "
+                         f"got {list(labels.shape)}{hint}")
+    if not (labels.dtype == np.bool_ or np.issubdtype(labels.dtype, np.integer)
+            or np.issubdtype(labels.dtype, np.floating)):
+        raise ValueError(f"volumes: masks must be 0/1 numbers or booleans; got {labels.dtype}")
+    stray = labels[(labels != 0) & (labels != 1)] if labels.dtype != np.bool_ else labels[:0]
+    if stray.size:
+        raise ValueError(f"volumes: masks must hold only 0 and 1 (one binary map per label); found "
+                         f"{stray.flat[0].item()!r}; a BraTS label map (0, 1, 2, 4) becomes three nested maps "
+                         f"with brats_regions()")
+
+
+def brats_regions(segmentation: np.ndarray) -> np.ndarray:
+    """A BraTS label map [..., D, H, W] (0 background, 1 necrotic and non-enhancing tumour core,
+    2 oedema, 4 enhancing tumour) as the three nested regions the challenge scores, [..., D, H, W, 3]
+    uint8: whole tumour (1, 2, 4), tumour core (1, 4), enhancing tumour (4)."""
+    segmentation = np.asarray(segmentation)
+    unknown = np.setdiff1d(np.unique(segmentation), (0, *BRATS_LABELS))
+    if unknown.size:
+        raise ValueError(f"a BraTS label map holds 0, 1, 2 and 4 only; found {unknown.tolist()}")
+    whole = segmentation != 0
+    core = (segmentation == 1) | (segmentation == 4)
+    return np.stack([whole, core, segmentation == 4], axis=-1).astype(np.uint8)
 
 
 def shard_names(prefix: str, shards: int) -> list[str]:
@@ -217,7 +243,9 @@ def shards_by_file(files: int, size: int) -> bool:
 def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, batch_size: int, rank: int,
                  size: int, seed: int, shuffle_buffer: int = 1024, prefetch: int = 2) -> "tf.data.Dataset":
     """Batches `(x, y)` for one rank of `size`, forever: x float32 [batch, *input_shape] (images scaled
-    to [0, 1], volumes as stored), y int32 [batch] (images) or [batch, D, H, W] (volumes).
+    to [0, 1], volumes as stored); y int32 [batch] for images, whose labels lie in [0, `classes`)
+    (model.classes), or float32 0/1 [batch, D, H, W, `classes`] for volumes, whose masks hold
+    `classes` binary label maps (model.labels).
 
     Sharding: with at least `size` files, rank r reads files r, r+size, ... (no rank reads bytes it
     throws away) and shuffles their order every epoch; otherwise every rank reads all files in order
@@ -226,9 +254,10 @@ def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, bat
     `prefetch` batches (0: none).
 
     Reads this rank's first record now, so the common mistakes fail here with a ValueError: no
-    record for this rank, files of the other kind, a shape other than `input_shape`. A later record
-    of another shape, or a label outside [0, classes), stops iteration with InvalidArgumentError
-    naming the record's value and the recipe's.
+    record for this rank, files of the other kind, a shape other than `input_shape`, a mask with
+    another number of label maps or with values other than 0 and 1. A later record with any of
+    these, or an image label outside [0, classes), stops iteration with InvalidArgumentError naming
+    the record's value and the recipe's.
     """
     import tensorflow as tf
 
@@ -238,7 +267,7 @@ def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, bat
     files = find_files(path)
     rank_seed = seed + rank
     records = _records_of_rank(files, rank, size)
-    _check_first_record(records, schema, input_shape, path, rank, size, len(files))
+    _check_first_record(records, schema, input_shape, classes, path, rank, size, len(files))
 
     if shards_by_file(len(files), size):
         records = _records_of_rank(files, rank, size, shuffle_files_seed=rank_seed)
@@ -271,8 +300,8 @@ def _records_of_rank(files: list[str], rank: int, size: int, shuffle_files_seed:
     return tf.data.TFRecordDataset(names, num_parallel_reads=tf.data.AUTOTUNE)
 
 
-def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_shape: list[int], path: str,
-                        rank: int, size: int, files: int) -> None:
+def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_shape: list[int], classes: int,
+                        path: str, rank: int, size: int, files: int) -> None:
     """ValueError for the mistakes that show in any one record, before training starts."""
     import tensorflow as tf
 
@@ -291,6 +320,17 @@ def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_
     if shape != list(input_shape):
         raise ValueError(f"data.path: records in {path!r} have shape {shape}; model.input_shape is "
                          f"{list(input_shape)}")
+    if schema.kind == "volumes":
+        mask = np.frombuffer(features[schema.label_key].bytes_list.value[0], np.uint8)
+        voxels = int(np.prod(input_shape[:3]))
+        if mask.size != voxels * classes:
+            held = f"{mask.size // voxels} label map(s)" if mask.size % voxels == 0 else f"{mask.size} bytes"
+            raise ValueError(f"data.path: masks in {path!r} hold {held} per volume of {voxels} voxels; model.labels "
+                             f"is {classes} (one uint8 per voxel and label map)")
+        stray = mask[mask > 1]
+        if stray.size:
+            raise ValueError(f"data.path: masks in {path!r} hold the value {stray[0]}; each of the model.labels = "
+                             f"{classes} maps must be 0 or 1 (write BraTS label maps with brats_regions())")
 
 
 def _batch_decoder(schema: RecordSchema, input_shape: list[int], classes: int):
@@ -306,9 +346,12 @@ def _batch_decoder(schema: RecordSchema, input_shape: list[int], classes: int):
 
     def decode(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         example = tf.io.parse_example(serialized, spec)
-        # The shape check must run before decode_raw, whose own error (unequal byte counts) says nothing
+        # The shape checks must run before decode_raw, whose own error (unequal byte counts) says nothing
         # about shapes.
-        with tf.control_dependencies([_assert_shapes(example["shape"], want_shape, input_shape)]):
+        checks = [_assert_shapes(example["shape"], want_shape, input_shape)]
+        if schema.kind == "volumes":
+            checks.append(_assert_mask_sizes(example[schema.label_key], input_shape, classes))
+        with tf.control_dependencies(checks):
             x = tf.io.decode_raw(example[schema.input_key], schema.input_dtype)
             if schema.kind == "images":
                 x = tf.cast(x, tf.float32) / 255.0
@@ -317,10 +360,13 @@ def _batch_decoder(schema: RecordSchema, input_shape: list[int], classes: int):
                 y = tf.io.decode_raw(example[schema.label_key], tf.uint8)
         batch = tf.shape(serialized)[:1]
         x = tf.reshape(x, tf.concat([batch, input_shape], 0))
-        y = tf.reshape(y, tf.concat([batch, input_shape[:3]], 0)) if schema.kind == "volumes" else y
-        # Checked before the cast, so an int64 label beyond int32 cannot wrap into range.
-        with tf.control_dependencies([_assert_labels(y, classes)]):
-            return tf.identity(x), tf.cast(y, tf.int32)
+        if schema.kind == "images":
+            # Checked before the cast, so an int64 label beyond int32 cannot wrap into range.
+            with tf.control_dependencies([_assert_labels(y, classes)]):
+                return tf.identity(x), tf.cast(y, tf.int32)
+        y = tf.reshape(y, tf.concat([batch, input_shape[:3], [classes]], 0))
+        with tf.control_dependencies([_assert_binary(y, classes)]):
+            return tf.identity(x), tf.cast(y, tf.float32)
 
     return decode
 
@@ -335,6 +381,19 @@ def _assert_shapes(shapes: tf.Tensor, want: tf.Tensor, input_shape: list[int]) -
     return tf.debugging.Assert(tf.logical_not(tf.reduce_any(wrong)), [message])
 
 
+def _assert_mask_sizes(masks: tf.Tensor, input_shape: list[int], classes: int) -> tf.Operation:
+    import tensorflow as tf
+
+    voxels = int(np.prod(input_shape[:3]))
+    lengths = tf.strings.length(masks)
+    wrong = tf.not_equal(lengths, voxels * classes)
+    first_wrong = tf.concat([tf.boolean_mask(lengths, wrong), [voxels * classes]], 0)[0]
+    message = tf.strings.format("data.path: a record has a mask of {} bytes; model.labels = {} maps of {} voxels "
+                                "need {} (one uint8 per voxel and label map)",
+                                (first_wrong, classes, voxels, voxels * classes))
+    return tf.debugging.Assert(tf.logical_not(tf.reduce_any(wrong)), [message])
+
+
 def _assert_labels(labels: tf.Tensor, classes: int) -> tf.Operation:
     import tensorflow as tf
 
@@ -343,3 +402,12 @@ def _assert_labels(labels: tf.Tensor, classes: int) -> tf.Operation:
     message = tf.strings.format("data.path: labels must be in [0, model.classes = {}); a batch has labels from {} "
                                 "to {}", (classes, low, high))
     return tf.debugging.Assert(in_range, [message])
+
+
+def _assert_binary(masks: tf.Tensor, classes: int) -> tf.Operation:
+    import tensorflow as tf
+
+    high = tf.reduce_max(masks)
+    message = tf.strings.format("data.path: masks must hold 0 or 1 in each of the model.labels = {} maps; a batch "
+                                "holds {}", (classes, high))
+    return tf.debugging.Assert(high <= 1, [message])

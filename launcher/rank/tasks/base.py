@@ -19,6 +19,12 @@ class Task(abc.ABC):
         self.recipe = recipe
         self.model_cfg = recipe.model
 
+    @property
+    @abc.abstractmethod
+    def label_count(self) -> int:
+        """What TFRecord labels are checked against: the classes (images, `model.classes`) or the
+        binary label maps per voxel (volumes, `model.labels`)."""
+
     @abc.abstractmethod
     def build_model(self) -> "tf.keras.Model":
         """The network, randomly initialised (rank 0's weights are broadcast to the others)."""
@@ -61,7 +67,7 @@ class Task(abc.ABC):
 
         dataset = read_dataset(  # it offsets the shuffle seed by the rank itself
             data.path, kind=self.record_kind, input_shape=self.model_cfg.input_shape,
-            classes=self.model_cfg.classes, batch_size=batch_size, rank=rank, size=size, seed=seed,
+            classes=self.label_count, batch_size=batch_size, rank=rank, size=size, seed=seed,
             shuffle_buffer=data.shuffle_buffer, prefetch=data.prefetch,
         )
         return iter(dataset)

@@ -10,6 +10,10 @@ from launcher.rank.tasks.base import Task, smooth_noise
 class ResNet50Task(Task):
     record_kind = "images"
 
+    @property
+    def label_count(self) -> int:
+        return self.model_cfg.classes
+
     def build_model(self) -> keras.Model:
         # weights=None builds offline; logits come out (no softmax) so the loss is computed in
         # float32 from logits, which is stable under mixed precision.

@@ -7,7 +7,7 @@ on the same steps (issue 19).
     .venv/bin/python benchmarks/bfc_model.py --part reserve
 
 Part "validation", for 3 models x 2 sizes (ResNet-50, the CPU recipe's 3D U-Net, the DenseNet block of
-tests/lms_models.py), each run a fresh process (benchmarks/bfc_worker.py: 2 training steps on the CPU,
+benchmarks/architectures.py), each run a fresh process (benchmarks/bfc_worker.py: 2 training steps on the CPU,
 one thread, TensorFlow's single-threaded executor, oneDNN off) that records its own allocations with
 TensorFlow's profiler:
 1. one run without a limit: its trace gives the model's first answer, where the search starts;
@@ -167,7 +167,7 @@ def simulated_step(model: str, size: int):
     from lms_core.plan import Plan
     from lms_core.simulator import simulate
     from lms_core.tf import trace_step
-    from tests.lms_models import training_step
+    from benchmarks.architectures import training_step
 
     import keras
 

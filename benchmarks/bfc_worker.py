@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def build(model: str, size: int):
-    """(model builder for tests.lms_models.training_step, description) for MODEL at SIZE."""
+    """(model builder for benchmarks.architectures.training_step, description) for MODEL at SIZE."""
     import keras
 
     if model == "resnet50":
@@ -43,12 +43,12 @@ def build(model: str, size: int):
                                                                                       (1, size, size, size))
         return make, f"3D U-Net {size}^3x4, 4 levels, 8 base filters, batch 1"
     if model == "densenet_block":
-        from tests import lms_models
+        from benchmarks import architectures
 
         def make():
-            net, _ = lms_models.dense_block()
+            net, _ = architectures.dense_block()
             return net, ((size, 16, 16, 8), (size,))
-        return make, f"DenseNet block (tests/lms_models.py) 16x16x8, batch {size}"
+        return make, f"DenseNet block (benchmarks/architectures.py) 16x16x8, batch {size}"
     raise ValueError(f"unknown model {model!r}")
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         recorder.start()
     if args.reserve:
         reserve_pool()
-    from tests.lms_models import training_step
+    from benchmarks.architectures import training_step
 
     make, what = build(args.model, args.size)
     outcome = {"outcome": "ran", "oom_message": None, "failed_request_bytes": None}

@@ -9,7 +9,7 @@ architecture, on split devices (compute /device:CPU:1, host /device:CPU:0):
     .venv/bin/python benchmarks/gating.py
 
 Every tensor that can be swapped is (`swapout_threshold: 1`, `min_tensor_bytes: 0`), brought back one
-level ahead. The models are those of tests/lms_models.py.
+level ahead. The models are those of benchmarks/architectures.py.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> int:
     import lms_core.tf as lms_tf
     from lms_core.config import LMSConfig
     from lms_core.tf.gating import verify_gating
-    from tests.lms_models import ARCHITECTURES, training_step
+    from benchmarks.architectures import ARCHITECTURES, training_step
 
     compute = "/device:CPU:1"
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)

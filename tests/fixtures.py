@@ -88,3 +88,17 @@ def chain_step() -> Graph:
            Op("gradient_tape/grad_b", "ReluGrad", inputs=["gradient_tape/grad_c:0", "b:0"], outputs=[act()]),
            Op("gradient_tape/grad_a", "ReluGrad", inputs=["gradient_tape/grad_b:0", "a:0"], outputs=[act()])]
     return analyzed(Graph(ops, outputs=["loss:0"]))
+
+
+def assert_same_training(losses, expected_losses, variables, expected_variables, rtol: float = 1e-6) -> None:
+    """Losses to `rtol`, and every weight to `rtol` of itself plus `rtol` of the model's largest
+    weight: a weight whose true gradient is zero holds rounding noise that any reordering of the
+    arithmetic moves, so it is judged on the model's scale, not its own (TF's assertAllClose idea)."""
+    import numpy as np
+
+    np.testing.assert_allclose(losses, expected_losses, rtol=rtol)
+    values = [np.asarray(v.numpy()) for v in variables]
+    expected = [np.asarray(v.numpy()) for v in expected_variables]
+    scale = max(float(np.max(np.abs(e))) for e in expected if e.size and e.dtype.kind == "f")
+    for variable, value, want in zip(expected_variables, values, expected):
+        np.testing.assert_allclose(value, want, rtol=rtol, atol=rtol * scale, err_msg=variable.path)

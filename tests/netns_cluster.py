@@ -241,7 +241,7 @@ class Cluster:
         (probe / "sitecustomize.py").write_text(
             "import atexit, json, os, socket, sys\n"
             "def _record():\n"
-            "    if not sys.argv or not sys.argv[0].endswith(os.path.join('launcher', 'rank', 'worker.py')):\n"
+            "    if not sys.argv or not sys.argv[0].endswith(os.path.join('launcher', 'worker.py')):\n"
             "        return\n"
             "    rank = os.environ.get('HOROVOD_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK') or '0'\n"
             f"    with open(os.path.join({str(out)!r}, f'rank{{rank}}.json'), 'w') as f:\n"

@@ -23,7 +23,7 @@ from launcher.recipe import load_recipe
 from lms_core.graph import Graph, Op, TensorInfo
 from launcher.bench.papers import figures_for
 from tests.fixtures import RECIPES
-from tests.lms_models import conv_relu_step
+from benchmarks.architectures import conv_relu_step
 
 MIB = 2**20
 TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.levels=2", "--set", "model.base_filters=4"]

@@ -48,7 +48,7 @@ def test_op_times_on_a_gpu_come_from_its_kernels():
     import lms_core.tf as lms_tf
     from lms_core.config import LMSConfig
     from lms_core.tf.op_profile import profile_step, sample_inputs
-    from tests.lms_models import conv_relu_step
+    from benchmarks.architectures import conv_relu_step
 
     step, specs = conv_relu_step((64, 64, 3), batch=16, blocks=3, filters=32)
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, min_tensor_bytes=0)

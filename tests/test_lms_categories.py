@@ -15,7 +15,7 @@ from lms_core.config import LMSConfig
 from lms_core.graph import BACKWARD, FORWARD, OTHER, UPDATE, Graph, Op, split_tensor
 from lms_core.passes.categorize import is_collective, is_variable_write
 from lms_core.planner import constant_ops
-from tests.lms_models import ARCHITECTURES, training_step
+from benchmarks.architectures import ARCHITECTURES, training_step
 
 CONFIG = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, min_tensor_bytes=0)
 PHASE = {OTHER: 0, FORWARD: 1, BACKWARD: 2, UPDATE: 3}

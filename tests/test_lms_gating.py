@@ -21,7 +21,7 @@ from lms_core.tf.gating import PartitionedGraph, check_partitions, executed_part
 from lms_core.tf.op_profile import profiled
 from lms_core.tf.reimport import IMPORT_SCOPE
 from tests.fixtures import COMPUTE, HOST
-from tests.lms_models import ARCHITECTURES, conv_relu_step, training_step
+from benchmarks.architectures import ARCHITECTURES, conv_relu_step, training_step
 
 SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
 

@@ -22,7 +22,7 @@ from lms_core.memory.lifetimes import Adopted
 from lms_core.passes.pipeline import analyze
 from lms_core.plan import Plan
 from lms_core.simulator import simulate
-from tests.fixtures import unit_costs
+from tests.fixtures import chain_step, unit_costs
 
 KIB, MIB = 1 << 10, 1 << 20
 GPU_GROWTH_GC = BFCOptions(allow_growth=True, garbage_collection=True)
@@ -312,18 +312,7 @@ def test_a_swapped_tensor_is_released_when_its_copy_ends_and_the_copy_back_start
     from lms_core.config import LMSConfig
     from lms_core.planner import plan_swaps
 
-    act = lambda: TensorInfo((4, 256, 256, 4), "float32", 4 * MIB)  # noqa: E731
-    ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)]),
-           Op("a", "Relu", inputs=["x:0"], outputs=[act()]),
-           Op("b", "Relu", inputs=["a:0"], outputs=[act()]),
-           Op("c", "Relu", inputs=["b:0"], outputs=[act()]),
-           Op("loss", "Sum", inputs=["c:0"], outputs=[TensorInfo((), "float32", 4)]),
-           Op("ones", "Const", outputs=[TensorInfo((), "float32", 4)]),
-           Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act()]),
-           Op("gradient_tape/grad_c", "ReluGrad", inputs=["gradient_tape/seed:0", "c:0"], outputs=[act()]),
-           Op("gradient_tape/grad_b", "ReluGrad", inputs=["gradient_tape/grad_c:0", "b:0"], outputs=[act()]),
-           Op("gradient_tape/grad_a", "ReluGrad", inputs=["gradient_tape/grad_b:0", "a:0"], outputs=[act()])]
-    g = analyze(Graph(ops, outputs=["loss:0"]))
+    g = chain_step()
     plan = plan_swaps(g, LMSConfig(swapout_threshold=4, swapin_ahead=1, min_tensor_bytes=MIB))
     assert [s.tensor for s in plan.swaps] == ["a:0", "b:0"]
     slow = LinkRates("slow", MIB, MIB, "test")  # 4 s per 4 MiB copy

@@ -17,7 +17,7 @@ def test_profiling_a_rewritten_step_times_its_convolutions_and_leaves_the_weight
     import lms_core.tf as lms_tf
     from lms_core.config import LMSConfig
     from lms_core.tf.op_profile import profile_step, sample_inputs
-    from tests.lms_models import small_unet3d, training_step
+    from benchmarks.architectures import small_unet3d, training_step
 
     model, optimizer, step, specs, _ = training_step(small_unet3d)
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=2, min_tensor_bytes=0)
@@ -97,7 +97,7 @@ def test_a_rank_replans_with_measured_op_times():
     from launcher.lms.step import measure_op_times
     from lms_core.config import LMSConfig
     from lms_core.link import NAMED_LINKS
-    from tests.lms_models import small_unet3d, training_step
+    from benchmarks.architectures import small_unet3d, training_step
 
     model, optimizer, step, specs, _ = training_step(small_unet3d)
     config = LMSConfig(enabled=True, min_tensor_bytes=0)  # mode auto: tuned for the target

@@ -14,8 +14,8 @@ from lms_core.config import LMSConfig
 from lms_core.tf.apply import KEEP_ATTR
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 from tensorflow.python.grappler import tf_optimizer
-from tests.fixtures import COMPUTE, HOST
-from tests.lms_models import ARCHITECTURES, assert_same_training, conv_relu_step, training_step
+from benchmarks.architectures import ARCHITECTURES, conv_relu_step, training_step
+from tests.fixtures import COMPUTE, HOST, assert_same_training
 
 CPU = "/device:CPU:0"
 SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)

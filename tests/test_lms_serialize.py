@@ -23,7 +23,7 @@ from lms_core.serialize import backward_region, branch_edges, with_control_edges
 from lms_core.tf.estimate import estimate_peak
 from lms_core.tf.gating import verify_gating
 from tests.fixtures import COMPUTE, HOST
-from tests.lms_models import ARCHITECTURES, resnet50_imagenet, training_step
+from benchmarks.architectures import ARCHITECTURES, resnet50_imagenet, training_step
 from tests.fixtures import t
 
 GIB = 1 << 30
@@ -105,7 +105,7 @@ def test_a_swap_whose_copy_would_come_back_beside_the_original_is_not_made():
 def test_no_setting_makes_grapplers_peak_worse_on_a_vgg_style_net():
     """Issue 10's case: aggressive settings on a small VGG-style net raised Grappler's peak by 8%.
     Whatever the settings, a plan must not raise it."""
-    from tests.lms_models import conv_relu_step
+    from benchmarks.architectures import conv_relu_step
 
     step, specs = conv_relu_step((64, 64, 3), batch=32, blocks=4, filters=32, classes=10)
     for threshold in (1, 2):

@@ -12,7 +12,7 @@ from lms_core.link import INFINITE, NAMED_LINKS, LinkRates, link_named, pcie_lin
 from lms_core.plan import Plan
 from lms_core.planner import plan_swaps
 from lms_core.simulator import simulate
-from tests.lms_models import resnet50_imagenet, training_step
+from benchmarks.architectures import resnet50_imagenet, training_step
 from tests.fixtures import MIB, analyzed, chain_step, conv_graph, tiny_step, unit_costs
 
 

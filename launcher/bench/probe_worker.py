@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     # launcher.worker sets the allocator environment TensorFlow reads at import: import it first.
-    from launcher.rank import worker
+    from launcher import worker
 
     set_memory_optimizer(args.memory_optimizer)
     print(f"lms-launch bench probe: Grappler memory optimizer {memory_optimizer_in_force()}", flush=True)

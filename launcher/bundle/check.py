@@ -115,6 +115,108 @@ def compare(got, want) -> dict:
             "ok": bool(np.isfinite(got).all() and diff / scale <= TOLERANCE)}
 
 
+def describe_tensorflow(tf, np, result: dict) -> list:
+    """Record and print TensorFlow's version, what it was built with, and the GPUs it sees."""
+    info = tf.sysconfig.get_build_info()
+    result.update(tensorflow=tf.__version__, tensorflow_file=tf.__file__, numpy=np.__version__,
+                  built_with={"cuda": info.get("cuda_version"), "cudnn": info.get("cudnn_version"),
+                              "is_cuda_build": info.get("is_cuda_build")})
+    print(f"TensorFlow {tf.__version__} from {os.path.dirname(tf.__file__)} (NumPy {np.__version__}); "
+          f"built with CUDA {info.get('cuda_version')}, cuDNN {info.get('cudnn_version')}")
+    gpus = tf.config.list_physical_devices("GPU")
+    result["gpus"] = []
+    for gpu in gpus:
+        details = tf.config.experimental.get_device_details(gpu)
+        result["gpus"].append({"name": gpu.name, "device": details.get("device_name"),
+                               "compute_capability": details.get("compute_capability")})
+    print(f"GPUs TensorFlow sees: {result['gpus'] or 'none'}")
+    return gpus
+
+
+def reference_ops(tf, np) -> tuple[dict, dict]:
+    """The ops compared across devices (name -> callable) and their inputs, from a fixed seed."""
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((8, 56, 56, 64)).astype(np.float32),
+              "w": (rng.standard_normal((3, 3, 64, 64)) / 24).astype(np.float32),
+              "a": rng.standard_normal((512, 512)).astype(np.float32),
+              "b": rng.standard_normal((512, 512)).astype(np.float32),
+              "upstream": rng.standard_normal((8, 56, 56, 64)).astype(np.float32)}
+    x, w = inputs["x"], inputs["w"]
+
+    def conv():
+        return tf.nn.conv2d(x, w, strides=1, padding="SAME")
+
+    def conv_backward():  # what training runs: cuDNN's backward-data and backward-filter kernels
+        xv, wv = tf.constant(x), tf.constant(w)
+        with tf.GradientTape() as tape:
+            tape.watch([xv, wv])
+            y = tf.nn.conv2d(xv, wv, strides=1, padding="SAME")
+        return tape.gradient(y, [xv, wv], output_gradients=tf.constant(inputs["upstream"]))
+
+    def matmul():
+        return tf.linalg.matmul(inputs["a"], inputs["b"])
+
+    return {"conv": conv, "conv_backward": conv_backward, "matmul": matmul}, inputs
+
+
+def run_on_device(tf, op, device: str, on_cpu: list) -> dict:
+    """One op on `device`, timed twice (the first call includes kernel selection), against the CPU's
+    outputs: each output against its own scale (dx and dw differ by orders of magnitude); the worst counts."""
+    try:
+        with tf.device(device):
+            t = time.perf_counter()
+            first = as_arrays(op())
+            t_first = time.perf_counter() - t
+            t = time.perf_counter()
+            as_arrays(op())
+            t_again = time.perf_counter() - t
+    except Exception as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
+    entry = max((compare(g, c) for g, c in zip(first, on_cpu)), key=lambda e: e["relative"])
+    entry["ok"] = all(compare(g, c)["ok"] for g, c in zip(first, on_cpu))
+    entry.update(first_call_seconds=round(t_first, 3), second_call_seconds=round(t_again, 4))
+    return entry
+
+
+def report_libraries(result: dict) -> None:
+    """Record and print the CUDA libraries this process loaded, and their runtime versions."""
+    libs = loaded_libraries()
+    result["libraries"] = {n: {"path": p, "bytes": os.path.getsize(p)} for n, p in libs.items()}
+    result["runtime"] = runtime_versions(libs)
+    print("CUDA libraries loaded:")
+    for name, entry in result["libraries"].items():
+        note = "  (empty stand-in)" if entry["bytes"] < 65536 else ""  # the real ones are megabytes
+        print(f"  {name:<34} {entry['path']}{note}")
+    rt = result["runtime"]
+    if rt:
+        print(f"loaded: CUDA runtime {rt.get('cudart')}, driver supports CUDA {rt.get('driver_supports_cuda')}, "
+              f"cuDNN {rt.get('cudnn')} (built for CUDA {rt.get('cudnn_built_for_cuda')})")
+
+
+def report_device_ops(result: dict, device: str) -> None:
+    for name in GPU_OPS:
+        e = result.get(name)
+        if e is None:
+            continue
+        if "error" in e:
+            print(f"{device} {name}: FAILED: {e['error']}")
+        else:
+            print(f"{device} {name} vs CPU: max difference {e['max_abs_diff']:.2e} of scale {e['scale']:.2e} = "
+                  f"{e['relative']:.2e} (tolerance {TOLERANCE:.0e}): {'MATCHES' if e['ok'] else 'DIFFERS'}; "
+                  f"first call {e['first_call_seconds']} s, second {e['second_call_seconds']} s")
+
+
+def probe_stand_ins(tf, device: str, inputs: dict) -> None:
+    """An FFT on the device: with the cuFFT stand-in it must fail cleanly, not crash."""
+    print(f"probing the stand-ins: tf.signal.fft on {device} ...", flush=True)
+    try:
+        with tf.device(device):
+            out = tf.signal.fft(tf.complex(inputs["a"][:8], inputs["b"][:8])).numpy()
+        print(f"FFT ran: {out.shape} (cuFFT is the real library here, or the op ran elsewhere)")
+    except Exception as err:
+        print(f"FFT failed as expected with a stand-in: {type(err).__name__}: {str(err).strip().splitlines()[0]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-only", action="store_true", help="no GPU expected: check the import and a CPU convolution")
@@ -134,46 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result))
         return 1
     result["import_seconds"] = round(time.perf_counter() - t0, 2)
-    info = tf.sysconfig.get_build_info()
-    result.update(tensorflow=tf.__version__, tensorflow_file=tf.__file__, numpy=np.__version__,
-                  built_with={"cuda": info.get("cuda_version"), "cudnn": info.get("cudnn_version"),
-                              "is_cuda_build": info.get("is_cuda_build")})
-    print(f"TensorFlow {tf.__version__} from {os.path.dirname(tf.__file__)} (NumPy {np.__version__}); "
-          f"built with CUDA {info.get('cuda_version')}, cuDNN {info.get('cudnn_version')}")
-
-    gpus = tf.config.list_physical_devices("GPU")
-    result["gpus"] = []
-    for gpu in gpus:
-        details = tf.config.experimental.get_device_details(gpu)
-        result["gpus"].append({"name": gpu.name, "device": details.get("device_name"),
-                               "compute_capability": details.get("compute_capability")})
-    print(f"GPUs TensorFlow sees: {result['gpus'] or 'none'}")
+    gpus = describe_tensorflow(tf, np, result)
 
     tf.config.experimental.enable_tensor_float_32_execution(False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8, 56, 56, 64)).astype(np.float32)
-    w = (rng.standard_normal((3, 3, 64, 64)) / 24).astype(np.float32)
-    a = rng.standard_normal((512, 512)).astype(np.float32)
-    b = rng.standard_normal((512, 512)).astype(np.float32)
-    upstream = rng.standard_normal((8, 56, 56, 64)).astype(np.float32)
-
-    def conv():
-        return tf.nn.conv2d(x, w, strides=1, padding="SAME")
-
-    def conv_backward():  # what training runs: cuDNN's backward-data and backward-filter kernels
-        xv, wv = tf.constant(x), tf.constant(w)
-        with tf.GradientTape() as tape:
-            tape.watch([xv, wv])
-            y = tf.nn.conv2d(xv, wv, strides=1, padding="SAME")
-        return tape.gradient(y, [xv, wv], output_gradients=tf.constant(upstream))
-
-    def matmul():
-        return tf.linalg.matmul(a, b)
-
-    ops = {"conv": conv, "conv_backward": conv_backward, "matmul": matmul}
+    ops, inputs = reference_ops(tf, np)
     with tf.device("/CPU:0"):
         on_cpu = {name: as_arrays(op()) for name, op in ops.items()}
-    result["cpu_conv_vs_numpy"] = compare(on_cpu["conv"][0], numpy_conv_same(x, w))
+    result["cpu_conv_vs_numpy"] = compare(on_cpu["conv"][0], numpy_conv_same(inputs["x"], inputs["w"]))
     print(f"CPU convolution vs NumPy: relative difference {result['cpu_conv_vs_numpy']['relative']:.2e} "
           f"({'ok' if result['cpu_conv_vs_numpy']['ok'] else 'WRONG'})")
 
@@ -184,55 +253,16 @@ def main(argv: list[str] | None = None) -> int:
                            "load is named there)")
     else:
         for name, op in ops.items():
-            try:
-                with tf.device(args.device):
-                    t = time.perf_counter()
-                    first = as_arrays(op())
-                    t_first = time.perf_counter() - t
-                    t = time.perf_counter()
-                    as_arrays(op())
-                    t_again = time.perf_counter() - t
-                # each output against its own scale (dx and dw differ by orders of magnitude); the worst counts
-                entry = max((compare(g, c) for g, c in zip(first, on_cpu[name])), key=lambda e: e["relative"])
-                entry["ok"] = all(compare(g, c)["ok"] for g, c in zip(first, on_cpu[name]))
-                entry.update(first_call_seconds=round(t_first, 3), second_call_seconds=round(t_again, 4))
-            except Exception as err:
-                entry = {"ok": False, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"}
-            result[name] = entry
+            result[name] = run_on_device(tf, op, args.device, on_cpu[name])
         result["ok"] = all(result[name]["ok"] for name in ops)
 
-    libs = loaded_libraries()
-    result["libraries"] = {n: {"path": p, "bytes": os.path.getsize(p)} for n, p in libs.items()}
-    result["runtime"] = runtime_versions(libs)
-    print("CUDA libraries loaded:")
-    for name, entry in result["libraries"].items():
-        note = "  (empty stand-in)" if entry["bytes"] < 65536 else ""  # the real ones are megabytes
-        print(f"  {name:<34} {entry['path']}{note}")
-    rt = result["runtime"]
-    if rt:
-        print(f"loaded: CUDA runtime {rt.get('cudart')}, driver supports CUDA {rt.get('driver_supports_cuda')}, "
-              f"cuDNN {rt.get('cudnn')} (built for CUDA {rt.get('cudnn_built_for_cuda')})")
-    for name in GPU_OPS:
-        e = result.get(name)
-        if e is None:
-            continue
-        if "error" in e:
-            print(f"{args.device} {name}: FAILED: {e['error']}")
-        else:
-            print(f"{args.device} {name} vs CPU: max difference {e['max_abs_diff']:.2e} of scale {e['scale']:.2e} = "
-                  f"{e['relative']:.2e} (tolerance {TOLERANCE:.0e}): {'MATCHES' if e['ok'] else 'DIFFERS'}; "
-                  f"first call {e['first_call_seconds']} s, second {e['second_call_seconds']} s")
+    report_libraries(result)
+    report_device_ops(result, args.device)
     if "error" in result:
         print(f"lms-bundle check: {result['error']}")
     print("RESULT " + json.dumps(result))
     if args.probe_stubs:  # last: if calling into a stand-in crashed the process, the result is out already
-        print(f"probing the stand-ins: tf.signal.fft on {args.device} ...", flush=True)
-        try:
-            with tf.device(args.device):
-                out = tf.signal.fft(tf.complex(a[:8], b[:8])).numpy()
-            print(f"FFT ran: {out.shape} (cuFFT is the real library here, or the op ran elsewhere)")
-        except Exception as err:
-            print(f"FFT failed as expected with a stand-in: {type(err).__name__}: {str(err).strip().splitlines()[0]}")
+        probe_stand_ins(tf, args.device, inputs)
     return 0 if result["ok"] else 1
 
 

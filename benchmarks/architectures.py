@@ -1,6 +1,7 @@
-"""Small Keras models and their training steps, for the LMS tests: the paper's two networks at toy
-sizes and four more architectures: branches (a DenseNet-style block, a Transformer encoder block),
-depthwise convolutions (MobileNetV2's inverted residuals) and recurrence (an unrolled LSTM)."""
+"""Small Keras models and their training steps, shared by the LMS tests and the
+benchmarks: the paper's two networks at toy sizes and four more architectures: branches (a
+DenseNet-style block, a Transformer encoder block), depthwise convolutions (MobileNetV2's inverted
+residuals) and recurrence (an unrolled LSTM)."""
 from __future__ import annotations
 
 import keras
@@ -77,6 +78,19 @@ def lstm() -> tuple[keras.Model, tuple]:
     return keras.Model(inputs, layers.Dense(5)(x)), ((4, 8, 6), (4,))
 
 
+def rolled_lstm(batch: int = 4, steps: int = 8, features: int = 6, units: int = 16, classes: int = 5):
+    """Held out from ARCHITECTURES (the generic tests run those): two stacked Keras LSTM layers
+    left rolled, so each is a `While` loop whose per-step activations reach the backward pass as
+    TensorList accumulators (lms_core.loops), as a Seq2Seq model's do (Meng et al. 2017). Keras runs
+    an LSTM through cuDNN on a GPU when it can; traced on a CPU it is this loop."""
+    def build() -> tuple[keras.Model, tuple]:
+        inputs = keras.Input((steps, features))
+        x = layers.LSTM(units, return_sequences=True)(inputs)
+        x = layers.LSTM(units)(x)
+        return keras.Model(inputs, layers.Dense(classes)(x)), ((batch, steps, features), (batch,))
+    return build
+
+
 def resnet50_imagenet(batch: int):
     """ResNet-50 at 224x224 with 1000 classes, as in the papers, for `training_step`."""
     def build() -> tuple[keras.Model, tuple]:
@@ -136,17 +150,3 @@ def conv_relu_step(input_shape: tuple[int, int, int], batch: int, blocks: int = 
         return loss
 
     return step, (tf.TensorSpec([batch, *input_shape]), tf.TensorSpec([batch], tf.int32))
-
-
-def assert_same_training(losses, expected_losses, variables, expected_variables, rtol: float = 1e-6) -> None:
-    """Losses to `rtol`, and every weight to `rtol` of itself plus `rtol` of the model's largest
-    weight: a weight whose true gradient is zero holds rounding noise that any reordering of the
-    arithmetic moves, so it is judged on the model's scale, not its own (TF's assertAllClose idea)."""
-    import numpy as np
-
-    np.testing.assert_allclose(losses, expected_losses, rtol=rtol)
-    values = [np.asarray(v.numpy()) for v in variables]
-    expected = [np.asarray(v.numpy()) for v in expected_variables]
-    scale = max(float(np.max(np.abs(e))) for e in expected if e.size and e.dtype.kind == "f")
-    for variable, value, want in zip(expected_variables, values, expected):
-        np.testing.assert_allclose(value, want, rtol=rtol, atol=rtol * scale, err_msg=variable.path)

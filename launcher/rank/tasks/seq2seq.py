@@ -1,0 +1,163 @@
+"""Sequence-to-sequence translation with attention (Meng et al. 2017's Seq2Seq case; Luong et al. 2015).
+
+The network, as NMT systems of the paper's time built it:
+- encoder: token embedding, a bidirectional LSTM as the first layer, then unidirectional LSTMs;
+- decoder: token embedding and one LSTM whose cell attends to the encoder's outputs at every step
+  (Luong's "general" score, input feeding of the attentional state): a custom Keras cell, so the
+  decoder is a `While` loop on any device (no cuDNN kernel exists for it), and so are the encoder's
+  LSTMs on a CPU; their per-step activations reach the backward pass as loop accumulators, which
+  LMS swaps (lms_core.loops);
+- a projection to the (large) vocabulary after the loop, over all target steps at once;
+- teacher forcing: the decoder reads the target shifted right, after a start token;
+- masked cross-entropy: padding (token 0) counts for nothing.
+
+One input tensor per sample carries both token sequences, int32 [source_length + target_length]: the
+source, then the decoder's input; the labels are the target tokens, int32 [target_length].
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+from launcher.rank.tasks.base import Task
+
+PAD, START = 0, 1  # token ids with a meaning; words are 2 .. vocabulary-1
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class AttentionLSTMCell(layers.Layer):
+    """An LSTM cell whose input is the step's embedding and the previous attentional state, and
+    whose output is the new attentional state tanh(W_c [context; h]), with the context attended over
+    the encoder's outputs. The encoder's outputs ride along as a state the cell passes on unchanged
+    (Keras 3's RNN takes no constants): the loop keeps one copy, not one per step."""
+
+    def __init__(self, units: int, source_length: int, memory_width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.source_length, self.memory_width = units, source_length, memory_width
+        self.lstm = layers.LSTMCell(units, name="lstm")
+        self.score = layers.Dense(memory_width, use_bias=False, name="score")  # Luong's general score
+        self.combine = layers.Dense(units, activation="tanh", use_bias=False, name="combine")
+        # h, c of the LSTM, the attentional state fed to the next step, the encoder's outputs.
+        self.state_size = [units, units, units, (source_length, memory_width)]
+        self.output_size = units
+
+    def build(self, input_shape):
+        self.lstm.build((input_shape[0], input_shape[-1] + self.units))
+        self.score.build((input_shape[0], self.units))
+        self.combine.build((input_shape[0], self.memory_width + self.units))
+        self.built = True
+
+    def call(self, inputs, states, training=False):
+        h, c, attentional, memory = states
+        output, (h, c) = self.lstm(tf.concat([inputs, attentional], axis=-1), [h, c], training=training)
+        scores = tf.einsum("bsd,bd->bs", memory, self.score(output))
+        weights = tf.nn.softmax(scores, axis=-1)
+        context = tf.einsum("bs,bsd->bd", weights, memory)
+        attentional = self.combine(tf.concat([context, output], axis=-1))
+        return attentional, [h, c, attentional, memory]
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "source_length": self.source_length,
+                "memory_width": self.memory_width}
+
+
+def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: int, units: int,
+            encoder_layers: int) -> keras.Model:
+    """The network for one input of [source_length + target_length] tokens; logits [T, vocabulary]."""
+    tokens = keras.Input((source_length + target_length,), dtype="int32", name="tokens")
+    source = layers.Lambda(lambda t: t[:, :source_length], name="source")(tokens)
+    decoder_input = layers.Lambda(lambda t: t[:, source_length:], name="decoder_input")(tokens)
+
+    x = layers.Embedding(vocabulary, embedding, name="source_embedding")(source)
+    x = layers.Bidirectional(layers.LSTM(units // 2, return_sequences=True), name="encoder_0")(x)
+    state = None
+    for index in range(1, encoder_layers):
+        x, h, c = layers.LSTM(units, return_sequences=True, return_state=True, name=f"encoder_{index}")(x)
+        state = [h, c]
+    memory = x  # [B, S, units]
+    if state is None:  # one encoder layer: start the decoder from zeros
+        zeros = layers.Lambda(lambda m: tf.zeros_like(m[:, 0, :]), name="zero_state")(memory)
+        state = [zeros, zeros]
+    fed = layers.Lambda(lambda m: tf.zeros_like(m[:, 0, :]), name="first_attentional")(memory)
+
+    y = layers.Embedding(vocabulary, embedding, name="target_embedding")(decoder_input)
+    cell = AttentionLSTMCell(units, source_length, units, name="attention_cell")
+    y = layers.RNN(cell, return_sequences=True, name="decoder")(y, initial_state=[*state, fed, memory])
+    logits = layers.Dense(vocabulary, name="projection")(y)
+    return keras.Model(tokens, logits, name="seq2seq")
+
+
+def masked_cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Mean cross-entropy over the target tokens that are not padding."""
+    logits = tf.cast(logits, tf.float32)
+    per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    mask = tf.cast(tf.not_equal(labels, PAD), tf.float32)
+    return tf.reduce_sum(per_token * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+
+def real_tokens(labels: tf.Tensor) -> tf.Tensor:
+    """Target tokens that are not padding: what the loss counts, and what tokens/s reports (the decoder
+    also runs the padded positions, but they translate nothing)."""
+    return tf.math.count_nonzero(tf.not_equal(labels, PAD), dtype=tf.int64)
+
+
+def copy_task_batch(batch: int, source_length: int, target_length: int, vocabulary: int, seed: int):
+    """A learnable synthetic batch: the target is the source reversed (a classic Seq2Seq test),
+    sentences of random length padded with 0, the decoder's input the target after a start token."""
+    length = tf.random.stateless_uniform([batch, 1], seed=[seed, 1], minval=2, maxval=min(source_length, target_length) + 1,
+                                         dtype=tf.int32)
+    words = tf.random.stateless_uniform([batch, source_length], seed=[seed, 2], minval=2, maxval=vocabulary,
+                                        dtype=tf.int32)
+    source = tf.where(tf.range(source_length)[None, :] < length, words, PAD)
+    reversed_source = tf.reverse_sequence(source, tf.reshape(length, [-1]), seq_axis=1, batch_axis=0)
+    target = reversed_source[:, :target_length]
+    if target_length > source_length:
+        target = tf.pad(target, [[0, 0], [0, target_length - source_length]])
+    decoder_input = tf.concat([tf.fill([batch, 1], START), target[:, :-1]], axis=1)
+    return tf.concat([source, decoder_input], axis=1), target
+
+
+class Seq2SeqTask(Task):
+    record_kind = "sequences"
+
+    @property
+    def label_count(self) -> int:
+        return self.model_cfg.vocabulary
+
+    @property
+    def source_length(self) -> int:
+        return self.model_cfg.input_shape[0]
+
+    @property
+    def target_length(self) -> int:
+        return self.model_cfg.input_shape[1]
+
+    def build_model(self) -> keras.Model:
+        cfg = self.model_cfg
+        return seq2seq(self.source_length, self.target_length, cfg.vocabulary, cfg.embedding, cfg.units,
+                       cfg.encoder_layers)
+
+    def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        return masked_cross_entropy(labels, outputs)
+
+    def input_spec(self, batch_size: int) -> tf.TensorSpec:
+        return tf.TensorSpec([batch_size, self.source_length + self.target_length], tf.int32, name="inputs")
+
+    def label_spec(self, batch_size: int) -> tf.TensorSpec:
+        return tf.TensorSpec([batch_size, self.target_length], tf.int32, name="labels")
+
+    def synthetic_batch(self, batch_size: int, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
+        return copy_task_batch(batch_size, self.source_length, self.target_length, self.model_cfg.vocabulary, seed)
+
+    def target_tokens(self, labels: tf.Tensor) -> tf.Tensor:
+        return real_tokens(labels)
+
+    def smallest_input_shape(self) -> list[int]:
+        # The same layers and loops under the same names; only the loops' trip counts shrink.
+        return [4, 4]
+
+    def batches(self, batch_size: int, rank: int, size: int, device: str):
+        if self.recipe.data.source != "synthetic":
+            raise ValueError("data.source: seq2seq reads synthetic tokens only (TFRecord sequences are not written yet)")
+        return super().batches(batch_size, rank, size, device)

@@ -71,7 +71,7 @@ def mobilenet_v2_blocks() -> tuple[keras.Model, tuple]:
 def lstm() -> tuple[keras.Model, tuple]:
     """Two stacked LSTM layers over 8 time steps, unrolled (Keras `unroll=True`), so the recurrence
     is plain ops whose per-step activations live until the backward pass reaches them: the
-    sequence-model case of Meng et al. (2017). A rolled LSTM is a While loop, which LMS leaves alone."""
+    sequence-model case of Meng et al. (2017). A rolled LSTM is a While loop: see `rolled_lstm`."""
     inputs = keras.Input((8, 6))
     x = layers.LSTM(16, return_sequences=True, unroll=True)(inputs)
     x = layers.LSTM(16, unroll=True)(x)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from lms_core.config import LMSConfig, SettingError
 
-MODELS = ("resnet50", "unet3d")
+MODELS = ("resnet50", "unet3d", "seq2seq")
 DATA_SOURCES = ("synthetic", "tfrecord")
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("float32", "mixed_float16")
@@ -29,12 +29,14 @@ class ModelConfig:
     the other; left out, they take that network's default, shown in brackets."""
 
     name: str = "resnet50"
-    """Which network: `resnet50` (Keras ResNet-50, He et al. 2016) or `unet3d` (the 3D U-Net of
-    Isensee et al. 2017 that the LMS papers trained; launcher/rank/tasks/unet3d.py)."""
+    """Which network: `resnet50` (Keras ResNet-50, He et al. 2016), `unet3d` (the 3D U-Net of
+    Isensee et al. 2017 that the LMS papers trained; launcher/rank/tasks/unet3d.py) or `seq2seq` (an
+    LSTM encoder-decoder with attention, Meng et al. 2017's case; launcher/rank/tasks/seq2seq.py)."""
 
     input_shape: list[int] = field(default_factory=lambda: [224, 224, 3])
     """One sample's shape, channels last: [H, W, C] for resnet50, [D, H, W, C] for unet3d (D, H and
-    W multiples of 2^(levels-1), e.g. 16 for 5 levels)."""
+    W multiples of 2^(levels-1), e.g. 16 for 5 levels), [source length, target length] in tokens for
+    seq2seq."""
 
     classes: int | None = None
     """resnet50 only [1000]: output classes; each image has one label in [0, classes)."""
@@ -54,23 +56,41 @@ class ModelConfig:
     """unet3d only [0.3]: the SpatialDropout3D rate in every context module (whole channels are
     dropped); 0 turns dropout off."""
 
+    vocabulary: int | None = None
+    """seq2seq only [32000]: tokens in the (shared-size) source and target vocabularies; 0 is padding
+    and 1 the decoder's start token."""
+
+    embedding: int | None = None
+    """seq2seq only [512]: width of the source and target token embeddings."""
+
+    units: int | None = None
+    """seq2seq only [1024]: LSTM units of every encoder layer (the bidirectional first layer has
+    units/2 per direction) and of the attention decoder."""
+
+    encoder_layers: int | None = None
+    """seq2seq only [4]: encoder LSTM layers, the first bidirectional. At least 1."""
+
     def __post_init__(self) -> None:
         _one_of("name", self.name, MODELS)
-        want = 3 if self.name == "resnet50" else 4
+        layout = {"resnet50": "[H, W, C]", "unet3d": "[D, H, W, C]", "seq2seq": "[source length, target length]"}
+        want = layout[self.name].count(",") + 1
         if len(self.input_shape) != want or any(d < 1 for d in self.input_shape):
-            layout = "[H, W, C]" if want == 3 else "[D, H, W, C]"
-            raise SettingError("input_shape", f"{self.name} takes {want} positive sizes {layout}; got {self.input_shape}")
+            raise SettingError("input_shape", f"{self.name} takes {want} positive sizes {layout[self.name]}; "
+                                              f"got {self.input_shape}")
         own = _MODEL_DEFAULTS[self.name]
         for key, other in ((k, m) for m, keys in _MODEL_DEFAULTS.items() if m != self.name for k in keys):
             if getattr(self, key) is not None and key not in own:
                 raise SettingError(key, f"applies to {other} only; remove it for model.name {self.name}"
-                                        + (" (its outputs are model.labels)" if key == "classes" else ""))
+                                        + (" (its outputs are model.labels)" if key == "classes" and self.name == "unet3d" else ""))
         for key, default in own.items():
             if getattr(self, key) is None:
                 setattr(self, key, default)
         if self.name == "resnet50":
             if self.classes < 2:
                 raise SettingError("classes", f"must be >= 2; got {self.classes}")
+            return
+        if self.name == "seq2seq":
+            self._check_seq2seq()
             return
         if self.labels < 1:
             raise SettingError("labels", f"must be >= 1 binary label map; got {self.labels}")
@@ -92,9 +112,21 @@ class ModelConfig:
             )
 
 
+    def _check_seq2seq(self) -> None:
+        if self.vocabulary < 3:
+            raise SettingError("vocabulary", f"must be >= 3 (0 is padding, 1 the start token); got {self.vocabulary}")
+        for key in ("embedding", "encoder_layers"):
+            if getattr(self, key) < 1:
+                raise SettingError(key, f"must be >= 1; got {getattr(self, key)}")
+        if self.units < 2 or self.units % 2:
+            raise SettingError("units", f"must be even and >= 2 (the bidirectional first layer has units/2 per "
+                                        f"direction); got {self.units}")
+
+
 _MODEL_DEFAULTS = {
     "resnet50": {"classes": 1000},
     "unet3d": {"labels": 3, "levels": 5, "base_filters": 16, "dropout": 0.3},
+    "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4},
 }
 """The keys that belong to one network, and their defaults (ModelConfig's `[...]`)."""
 
@@ -292,6 +324,9 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        if self.model.name == "seq2seq" and self.data.source != "synthetic":
+            raise SettingError("data.source", "seq2seq reads synthetic tokens only for now (lms-launch tfrecord "
+                                              f"writes images and volumes); got {self.data.source!r}")
         if self.logging.skip_steps >= self.train.steps:
             raise SettingError(
                 "logging.skip_steps",

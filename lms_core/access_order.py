@@ -43,10 +43,12 @@ from lms_core.config import LMSConfig
 from lms_core.graph import BACKWARD, Graph, Op, tensor_name
 from lms_core.link import LinkRates
 from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
+from lms_core.loops import list_record
 from lms_core.planner import (SHAPE_ONLY_TYPES, latest_backward_inputs, reason_not_to_swap, swap_phase)
-from lms_core.simulator import SimulationResult, simulate
+from lms_core.simulator import SimulationResult, SimulationStalled, simulate
 
 MAX_REPLANS = 6  # rounds of "the replay overshot: plan for less" before the best plan so far is kept
+MAX_PACING = 60  # replays per round that add waits for copies out behind at the peak (_paced)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class AccessOrderResult:
     fits: bool
     replans: int  # rounds planned for a lowered budget after the replay overshot
     candidates: int  # tensors it could choose from
+    floor_bytes: int = 0  # the most the unswapped schedule holds at one moment that no candidate can leave
 
     def describe(self) -> str:
         from lms_core.units import format_bytes
@@ -113,7 +116,9 @@ class AccessOrderResult:
                 f"{format_bytes(self.plan.swapped_bytes)}, {self.plan.swap_in_count} copies back"
                 + (f"; {waits} copies out waited for" if waits else "")
                 + (f"; planned {self.replans} more time(s) for a lower budget after the replay overshot"
-                   if self.replans else ""))
+                   if self.replans else "")
+                + (f"; the budget is below this schedule's floor: {format_bytes(self.floor_bytes)} on the device "
+                   f"at one moment that no swap can move" if self.floor_bytes > self.budget_bytes else ""))
 
 
 def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, budget_bytes: int,
@@ -129,11 +134,12 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
     candidates, skipped = find_candidates(graph, config, schedule, link, compute_device, data_inputs)
     target, best, replans, held, forced = budget_bytes, None, 0, {}, set()
     by_tensor = {c.tensor: c for c in candidates}
+    paced: dict[str, set[str]] = {}  # tensor -> ops that wait for its copy out (found by replays, kept across rounds)
     for round_ in range(MAX_REPLANS + 1):
         chosen, waits, holds, met = choose(schedule, candidates, link, target, held,
                                            [by_tensor[t] for t in sorted(forced)])
-        plan = build_plan(graph, config, schedule, chosen, waits, holds, link, skipped, control_edges)
-        simulation = simulate(graph, plan, costs, link, keep_events=True)
+        plan, simulation = _paced(graph, config, schedule, chosen, waits, holds, link, skipped, control_edges,
+                                  costs, budget_bytes, paced)
         fits = simulation.peak_device_bytes <= budget_bytes
         improved = best is None or _better(simulation, fits, best)
         if improved:
@@ -153,15 +159,64 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
         else:
             target -= max(simulation.peak_device_bytes - budget_bytes, budget_bytes // 200)
     plan, simulation, fits, replans = best
-    return AccessOrderResult(plan, simulation, budget_bytes, fits, replans, len(candidates))
+    return AccessOrderResult(plan, simulation, budget_bytes, fits, replans, len(candidates),
+                             schedule_floor(schedule, candidates))
 
 
-def _at_replay_peak(schedule: Schedule, plan: Plan, simulation: SimulationResult
-                    ) -> tuple[dict[Hold, float], set[str], float | None]:
-    """At the replay's peak: the copies back on the device whose readers start after the op running
-    then (on the unswapped schedule), each to be held until that op has started; the buffers
-    resident then; and that op's start on the unswapped schedule. (The replay's order drifts from the unswapped schedule's where readers wait for
-    copies: other branches run meanwhile, and what they make lives longer.)"""
+def schedule_floor(schedule: Schedule, candidates: list[Candidate]) -> int:
+    """The most device memory the unswapped schedule holds at one moment with every candidate off
+    the device whenever it could be (from its last near read to each copy back's first reader):
+    no plan of these candidates in this order peaks lower. It counts, as the simulator does, an op's
+    new buffers with those its predecessor frees at the same instant."""
+    usage = list(schedule.usage)
+    for candidate in candidates:
+        starts = [candidate.near_done_at] + [r.done_at for r in candidate.returns[:-1]]
+        windows = [Window(start, r.needed_at) for start, r in zip(starts, candidate.returns) if start < r.needed_at]
+        _apply(schedule.times, usage, windows, -candidate.nbytes)
+    return max(usage, default=0)
+
+
+def _paced(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list[Candidate], waits: dict[str, float],
+           holds: dict[Hold, float], link: LinkRates, skipped: list[Skip], control_edges: list[ControlEdge],
+           costs: dict[str, float], budget_bytes: int, paced: dict[str, set[str]]) -> tuple[Plan, SimulationResult]:
+    """The plan of the chosen tensors, replayed; while the replay's peak is over the budget because
+    copies out have not caught up (a tensor whose readers on the device are done is still there, its
+    copy queued behind others), the op allocating at that peak waits for the earliest of those
+    copies, enough of them to take the excess away, and the plan is replayed again. Where the step
+    produces faster than the link drains (ResNet-50's stem at a large batch), this paces the forward
+    pass to the link there and nowhere else; `waits_for` cannot see it, as it works on the unswapped
+    schedule's order, which the replay's waits change. `paced` gathers those waits. Waits planned
+    on different orders can hold each other up (two branches, each waiting for a copy the other's
+    producer makes): the waits a deadlocked replay names are dropped and it is replayed again."""
+    dropped: set[tuple[str, str]] = set()  # (tensor, op) waits that deadlocked a replay: never made again
+
+    def replay() -> tuple[Plan, SimulationResult]:
+        while True:
+            plan = build_plan(graph, config, schedule, chosen, waits, holds, link, skipped, control_edges, paced,
+                              dropped)
+            try:
+                return plan, simulate(graph, plan, costs, link, keep_events=True)
+            except SimulationStalled as stall:  # each wait held in the replay it came from, not together
+                stuck = {(tensor, op) for tensor, ops in stall.waiting_for_copies_out.items() for op in ops}
+                if not stuck:
+                    raise
+                dropped.update(stuck)
+
+    plan, simulation = replay()
+    for _ in range(MAX_PACING):
+        if simulation.peak_device_bytes <= budget_bytes or not simulation.memory_events:
+            break
+        behind = _copies_out_behind(graph, plan, simulation, simulation.peak_device_bytes - budget_bytes)
+        if not behind:
+            break
+        for tensor, waiter in behind.items():
+            paced.setdefault(tensor, set()).add(waiter)
+        plan, simulation = replay()
+    return plan, simulation
+
+
+def _replay_peak(simulation: SimulationResult) -> tuple[int, dict[str, int]]:
+    """The index of the memory event at the replay's peak, and the buffers live then (name -> bytes)."""
     usage, peak, at = 0, -1, 0
     events = simulation.memory_events
     for i, event in enumerate(events):
@@ -174,6 +229,49 @@ def _at_replay_peak(schedule: Schedule, plan: Plan, simulation: SimulationResult
             live[event.buffer] = event.nbytes
         else:
             live.pop(event.buffer, None)
+    return at, live
+
+
+def _copies_out_behind(graph: Graph, plan: Plan, simulation: SimulationResult, excess: int) -> dict[str, str]:
+    """Swapped tensors on the device at the replay's peak only because their copies out are still
+    queued (every device reader done by then), earliest copy first, as many as take `excess` bytes
+    away: tensor -> the op allocating at the peak, which is to wait for them."""
+    events = simulation.memory_events
+    if not events:
+        return {}
+    at, live = _replay_peak(simulation)
+    peak_op, peak_start, _ = simulation.executed[events[at].op_index]
+    ended = {name: end for name, _, end in simulation.executed}
+    released = {event.buffer: event.time for event in events if event.nbytes < 0}
+    behind = []
+    for swap in plan.swaps:
+        if swap.tensor not in live or peak_op in swap.waiters:
+            continue
+        far = {c for swap_in in swap.swap_ins for c in swap_in.consumers}
+        near = {c for c, _ in graph.consumers(swap.tensor) if c not in far}
+        producer = swap.tensor.rpartition(":")[0]
+        # A zero-time op (a Reshape) ends as it starts: the op at the peak may be the tensor's own
+        # producer, which cannot wait for its output's copy out (the replay would stall).
+        if producer != peak_op and all(ended.get(op, float("inf")) <= peak_start for op in (producer, *near)):
+            behind.append((released.get(swap.tensor, float("inf")), swap.tensor, swap.nbytes))
+    waits: dict[str, str] = {}
+    for _, tensor, nbytes in sorted(behind):
+        if excess <= 0:
+            break
+        waits[tensor] = peak_op
+        excess -= nbytes
+    return waits
+
+
+def _at_replay_peak(schedule: Schedule, plan: Plan, simulation: SimulationResult
+                    ) -> tuple[dict[Hold, float], set[str], float | None]:
+    """At the replay's peak: the copies back on the device whose readers start after the op running
+    then (on the unswapped schedule), each to be held until that op has started; the buffers
+    resident then; and that op's start on the unswapped schedule. (The replay's order drifts from the
+    unswapped schedule's where readers wait for copies: other branches run meanwhile, and what they
+    make lives longer.)"""
+    events = simulation.memory_events
+    at, live = _replay_peak(simulation) if events else (0, {})
     moment = schedule.start.get(simulation.executed[events[at].op_index][0]) if events else None
     if moment is None:
         return {}, set(live), None
@@ -535,11 +633,12 @@ def _apply(times: list[float], usage: list[int], windows: list[Window], delta: i
 
 
 def build_plan(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list[Candidate], waits: dict[str, float],
-               holds: dict[Hold, float], link: LinkRates, skipped: list[Skip], control_edges: list[ControlEdge]
-               ) -> Plan:
+               holds: dict[Hold, float], link: LinkRates, skipped: list[Skip], control_edges: list[ControlEdge],
+               paced: dict[str, set[str]] | None = None, dropped: set[tuple[str, str]] = frozenset()) -> Plan:
     """The chosen tensors as plan entries: one swap-in per return, triggered by the latest backward
     ancestor of its first reader that ends before the copy back should start; a tensor that must be
-    gone by a moment has the op allocating then as its waiter (sync mode 1's mechanism)."""
+    gone by a moment has the op allocating then as its waiter (sync mode 1's mechanism), and so do
+    the ops `paced` names for theirs, but for the (tensor, op) waits in `dropped`."""
     latest = latest_backward_inputs(graph)
     layout, _ = lay_out(chosen, waits, link, holds=holds)
     swaps, not_made = [], list(skipped)
@@ -561,10 +660,15 @@ def build_plan(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list
             continue
         info = candidate.producer.outputs[index]
         waiter = schedule.op_at(waits[candidate.tensor]) if candidate.tensor in waits else None
+        # Never the producer itself: a zero-time producer (a Reshape) can be the op at the moment the
+        # tensor must be gone, and waiting for its own output's copy out would stall the step.
+        waiters = sorted(op for op in ({waiter} - {None} | (paced or {}).get(candidate.tensor, set())) - {name}
+                         if (candidate.tensor, op) not in dropped)
         swaps.append(Swap(tensor=candidate.tensor, producer_type=candidate.producer.type, shape=list(info.shape),
                           dtype=info.dtype, nbytes=candidate.nbytes, producer_level=candidate.producer.level,
                           swap_out=f"lms/swapout_{name}_{index}", swap_ins=swap_ins,
-                          waiters=[waiter] if waiter else []))
+                          waiters=waiters,
+                          tensor_list=None if info.tensor_list is None else list_record(info.tensor_list)))
     settings = dict(config.settings(), strategy="access-order", sync_mode=1 if any(s.waiters for s in swaps) else 0)
     return Plan(settings=settings, swaps=swaps, skipped=not_made, control_edges=list(control_edges), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
@@ -572,18 +676,113 @@ def build_plan(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list
 
 def _trigger(graph: Graph, schedule: Schedule, latest: dict[str, str | None], reader: Op, start_by: float) -> Op | None:
     """Walks back from `reader` along its latest backward inputs to the first op that ends by
-    `start_by` (the op after which the copy back should start)."""
-    current = latest[reader.name]
+    `start_by` (the op after which the copy back should start). Where every op on that chain ends
+    later, the one that ends first: the copy starts late and the reader may wait for it, but the
+    tensor is still off the device until then (dropping it would break the budget it was chosen for)."""
+    current, earliest = latest[reader.name], None
     while current is not None and schedule.end.get(current, float("inf")) > start_by:
+        earliest = current
         current = latest[current]
+    current = current if current is not None else earliest
     return None if current is None else graph[current]
 
 
 def lower_bound_s(schedule: Schedule, link: LinkRates, budget_bytes: int) -> tuple[float, int]:
-    """(seconds, bytes): no plan makes the step faster than its unswapped compute, nor than the bytes
-    the budget forces off the device moved at the link's rates. At the unswapped peak, at least
-    (peak - budget) bytes must be on the host: they were copied out before that moment and are
-    copied back after it, on queues of the link's rates."""
-    forced = max(0, schedule.peak - budget_bytes)
-    transfer = forced / link.d2h_bytes_per_s + forced / link.h2d_bytes_per_s if forced else 0.0
-    return max(schedule.compute_s, transfer), forced
+    """(seconds, bytes): no plan that keeps the step's order makes it faster than this, and the
+    budget forces at least these bytes off the device at the unswapped peak.
+
+    At any moment m over the budget, (usage(m) - budget) bytes must be on the host: all were made
+    before m and are read after it. Their copies out end before m and their copies back start after
+    it, each on a queue of the link's rate. So the step takes at least
+        max(compute before m, forced(m) / D2H) + max(compute from m, forced(m) / H2D),
+    at every such moment, and never less than its compute. (The unswapped step runs its compute
+    without a gap, so the compute before m is m.)"""
+    bound = schedule.compute_s
+    for moment, usage in zip(schedule.times, schedule.usage):
+        forced = usage - budget_bytes
+        if forced > 0:
+            before = min(moment, schedule.compute_s)
+            bound = max(bound, max(before, forced / link.d2h_bytes_per_s)
+                        + max(schedule.compute_s - before, forced / link.h2d_bytes_per_s))
+    return bound, max(0, schedule.peak - budget_bytes)
+
+
+@dataclass(frozen=True)
+class ZeroOverheadPoint:
+    """The lowest device budget the access-order planner meets with a predicted step at most
+    `tolerance` slower than without swapping (Zhang et al.'s "no communication overhead" saving)."""
+
+    budget_bytes: int  # the device peak of that plan; the unswapped peak where no saving is free
+    unswapped_bytes: int
+    bound_bytes: int  # no plan in the step's order peaks lower without a slower step (lowest_free_budget)
+    step_time_s: float
+    unswapped_step_s: float
+    swaps: int
+    tolerance: float
+
+    @property
+    def saving(self) -> float:
+        """The share of the unswapped peak the plan saves."""
+        return 1 - self.budget_bytes / self.unswapped_bytes if self.unswapped_bytes else 0.0
+
+    def describe(self) -> str:
+        from lms_core.units import format_bytes
+
+        return (f"zero-overhead point: {format_bytes(self.budget_bytes)} on the device, {self.saving:.1%} less than "
+                f"{format_bytes(self.unswapped_bytes)} without swapping, {self.swaps} tensor(s) swapped, step "
+                f"{self.step_time_s * 1000:.0f} ms ({self.step_time_s / self.unswapped_step_s - 1:+.1%}; at most "
+                f"{self.tolerance:+.0%} allowed); no plan saves more than "
+                f"{1 - self.bound_bytes / self.unswapped_bytes:.1%} for free on this link")
+
+
+def zero_overhead_point(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates,
+                        compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
+                        control_edges: list[ControlEdge] = (), tolerance: float = 0.01,
+                        resolution_bytes: int = 1 << 20) -> ZeroOverheadPoint:
+    """Bisects the device budget between this schedule's floor and the unswapped peak for the lowest
+    one whose access-order plan fits with a step within `tolerance` of the unswapped step, to
+    `resolution_bytes` (or 1/256 of the peak, if coarser). A plan's peak, not the budget asked for,
+    is the answer: it is what the device must hold."""
+    unswapped = simulate(graph, Plan(settings=config.settings()), costs, link, keep_events=True)
+    schedule = Schedule(graph, unswapped)
+    candidates, _ = find_candidates(graph, config, schedule, link, compute_device, data_inputs)
+    limit = unswapped.step_time_s * (1 + tolerance)
+    bound = max(lowest_free_budget(schedule, link), schedule_floor(schedule, candidates))
+    best = ZeroOverheadPoint(unswapped.peak_device_bytes, unswapped.peak_device_bytes, bound, unswapped.step_time_s,
+                             unswapped.step_time_s, 0, tolerance)
+
+    def free_at(budget: int) -> bool:
+        nonlocal best
+        result = plan_access_order(graph, config, costs, link, budget, compute_device, data_inputs, control_edges,
+                                   unswapped=unswapped)
+        simulation = result.simulation
+        if not result.fits or simulation.step_time_s > limit:
+            return False
+        if simulation.peak_device_bytes < best.budget_bytes:
+            best = ZeroOverheadPoint(simulation.peak_device_bytes, unswapped.peak_device_bytes, bound,
+                                     simulation.step_time_s, unswapped.step_time_s, len(result.plan.swaps), tolerance)
+        return True
+
+    resolution = max(resolution_bytes, unswapped.peak_device_bytes // 256)
+    low, high = bound, unswapped.peak_device_bytes
+    if free_at(low):
+        return best
+    while high - low > resolution:  # `low` is not free; `high` is (the unswapped step itself)
+        middle = (low + high) // 2
+        if free_at(middle):
+            high = middle
+        else:
+            low = middle
+    return best
+
+
+def lowest_free_budget(schedule: Schedule, link: LinkRates) -> int:
+    """The lowest device budget whose lower bound (lower_bound_s) is the unswapped compute: at every
+    moment m, no more bytes can be off the device without slowing the step than the link moves out
+    before m (m x D2H) and back after it ((compute - m) x H2D)."""
+    lowest = 0
+    for moment, usage in zip(schedule.times, schedule.usage):
+        before = min(moment, schedule.compute_s)
+        movable = min(before * link.d2h_bytes_per_s, (schedule.compute_s - before) * link.h2d_bytes_per_s)
+        lowest = max(lowest, usage - int(movable))
+    return lowest

@@ -26,6 +26,7 @@ class SettingError(ValueError):
 
 
 STRATEGIES = ("auto", "distance", "access-order")
+FIT_JUDGES = ("auto", "bfc", "live")
 
 SYNC_MODES = {
     0: "asynchronous: nothing waits for a copy except the consumer of a swap-in",
@@ -110,6 +111,13 @@ class LMSConfig:
     batch-norm gradient), run them one after another, the heavier first, so their temporaries are not
     resident together (lms_core/serialize.py; TFLMS v2's `serialization`, placed by structure)."""
 
+    chain_add_n: bool = False
+    """Compute each AddN that sets the floor (its n inputs and its output, live at once, are the
+    step's largest working set) as a chain of two-input adds, in the order its inputs are produced:
+    three tensors live per add (lms_core/add_chains.py). The same sum up to float rounding; it lets a
+    plan pass the floor of the traced step (ResNet-50: batch 1321 on 16 GiB). Off by default: below
+    the floor it saves nothing a swap cannot, and costs the partial sum's extra reads and writes."""
+
     swap_backward: bool = True
     """Also swap backward-pass tensors read again `swapout_threshold` levels later or more (a gradient
     term summed at the end of a batch-norm gradient, a gradient kept for a fork's other branch), not
@@ -159,8 +167,21 @@ class LMSConfig:
     RAM; set it when planning for another machine with `lms-launch plan`)."""
 
     memory_ratio: float = 0.9
-    """The auto-tuner keeps the predicted device peak under device memory x this (room for the
-    allocator's fragmentation and cuDNN workspaces)."""
+    """The device budget is device memory x this: room for what no plan models. TensorFlow's GPU
+    device keeps 1050 MiB (compute capability 7) to 1536 MiB (8) of the free memory back for the
+    system (MinSystemMemory in gpu_device.cc) and kernels' workspaces (cuDNN) are in no graph; with
+    `fit_judge: live` the ratio must also hold the allocator's fragmentation."""
+
+    fit_judge: str = "live"
+    """What must fit the device budget. `live` (the default): the simulated peak of live bytes (the
+    headroom is then all there is for fragmentation). `bfc`: that, and the memory TensorFlow's GPU
+    allocator (BFC: best fit with coalescing) needs for the plan's simulated allocation trace,
+    fragmentation included (lms_core/memory). `auto`: `bfc` for a step computed on a GPU, or planned
+    for one; `live` for a step computed on a CPU, whose simulated trace misses the CPU kernels'
+    scratch memory (Eigen's convolution gradients: up to 60% of the real requirement, docs/lms.md).
+    `bfc` is not the default yet: on access-order plans its trace of TensorFlow's buffers holds more
+    than the simulation that made the plan (3D U-Net 192^3 batch 4: 18.38 GiB live against a
+    simulated 14.39 GiB), a disagreement no GPU has settled (docs/lms.md)."""
 
     host_memory_ratio: float = 0.8
     """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""
@@ -196,6 +217,8 @@ class LMSConfig:
             raise SettingError("mode", f"must be auto or manual, got {self.mode!r}")
         if self.strategy not in STRATEGIES:
             raise SettingError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.fit_judge not in FIT_JUDGES:
+            raise SettingError("fit_judge", f"must be one of {', '.join(FIT_JUDGES)}, got {self.fit_judge!r}")
         self.link_rates = None if self.link == "auto" else _rates("link", self.link)
         self.link_fallback_rates = _rates("link_fallback", self.link_fallback)
         self.rank_link_rates = tuple(_rates(f"rank_links[{i}]", v) for i, v in enumerate(self.rank_links))

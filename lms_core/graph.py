@@ -21,14 +21,31 @@ OTHER = "other"  # inputs, constants, variable handles, and ops that belong to n
 BACK_EDGE_SOURCE_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
 
+@dataclass(frozen=True)
+class TensorList:
+    """What a TensorList (a variant tensor) holds, as far as the graph says: how many elements at
+    most, of which shape and dtype, and whether they are all one buffer. Recorded by the framework
+    adapter for the lists a loop fills (lms_core.loops sizes them); Grappler sees a variant as 0 bytes."""
+
+    element_shape: tuple[int, ...]
+    element_dtype: str
+    element_bytes: int  # one element's bytes (shape x dtype size)
+    length: int  # the elements it holds after the loop: the loop's trip count for an accumulator
+    # Set when every element is the same buffer (a variable's value, a loop-invariant tensor): the
+    # list then holds no memory of its own, and copying it elsewhere would make `length` copies.
+    aliases: str | None = None
+
+
 @dataclass
 class TensorInfo:
     """One output of an op. `shape` has None for unknown dimensions; `nbytes` is None when any
-    dimension or the element size is unknown."""
+    dimension or the element size is unknown. A TensorList filled by a loop carries `tensor_list`,
+    and its `nbytes` is what its elements hold (lms_core.loops.list_bytes)."""
 
     shape: tuple[int | None, ...] | None
     dtype: str
     nbytes: int | None
+    tensor_list: TensorList | None = None
 
 
 @dataclass

@@ -35,6 +35,25 @@ class Swap:
     swap_out: str  # the swap-out op added on the host device
     swap_ins: list[SwapIn]
     waiters: list[str] = field(default_factory=list)  # sync_mode 1/3: forward ops held until the swap-out is done
+    # A loop accumulator (lms_core.loops): a variant whose `nbytes` is what its elements hold, with
+    # their shape, dtype and count (element_shape, element_dtype, length). None for a plain tensor.
+    tensor_list: dict[str, Any] | None = None
+
+
+@dataclass
+class AddChain:
+    """An AddN of n >= 3 inputs computed as n - 1 two-input adds (`AddV2`), each adding the next input
+    in the order the inputs are produced (lms_core.add_chains). AddN needs all n inputs and its output
+    on the device at once; each add of the chain needs three tensors, and frees the input it has added.
+    The same sum, associated differently: float32 results differ by rounding only."""
+
+    op: str  # the AddN; the chain's last add takes its name, so its readers are unchanged
+    inputs: list[str]  # the AddN's inputs, "op:index", in the order the chain adds them
+    adds: list[str]  # the n - 2 adds before the last one, in chain order
+    dtype: str
+    nbytes: int  # bytes of the AddN's output (every input has its shape)
+    working_set_bytes: int  # the AddN's distinct inputs and output
+    chain_working_set_bytes: int  # the largest of the chain's adds
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,7 @@ class Plan:
     control_edges: list[ControlEdge] = field(default_factory=list)  # lms.serialize_branches: the order imposed
     ops: int = 0
     levels: int = 0
+    add_chains: list[AddChain] = field(default_factory=list)  # lms.chain_add_n: AddNs computed as chains of adds
 
     @property
     def swapped_bytes(self) -> int:
@@ -83,6 +103,8 @@ class Plan:
 
     def summary(self) -> str:
         ordered = f"; {len(self.control_edges)} control edge(s) serialize the backward branches" if self.control_edges else ""
+        if self.add_chains:
+            ordered += f"; {len(self.add_chains)} AddN(s) computed as chains of adds"
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
                     f"see 'skipped' for the reasons){ordered}")

@@ -7,11 +7,15 @@ backward op `swapin_ahead` levels before the group's first consumer, found by wa
 consumer's latest backward inputs (the path that actually runs just before it). Near consumers keep
 reading the original tensor, and a swap whose copy would come back before the original's last near
 read is not made: both copies would be resident at once, and the swap would cost memory.
+
+Control flow is left alone, with one exception: a forward loop's accumulators (the TensorLists a
+`While` fills for its gradient loop, lms_core.loops) are swapped whole, from outside both loops.
 """
 from __future__ import annotations
 
 from lms_core.config import LMSConfig
 from lms_core.graph import BACKWARD, FORWARD, Graph, Op, once_per_graph, tensor_name
+from lms_core.loops import WHILE_TYPES, accumulator_reason, is_accumulator, list_record
 from lms_core.passes.pipeline import PLANNER_REQUIRES
 from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
 
@@ -103,7 +107,8 @@ def plan_swaps(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
             swaps.append(Swap(
                 tensor=tensor, producer_type=producer.type, shape=list(info.shape), dtype=info.dtype,
                 nbytes=info.nbytes, producer_level=producer.level, swap_out=f"lms/swapout_{name}_{index}",
-                swap_ins=swap_ins, waiters=waiters))
+                swap_ins=swap_ins, waiters=waiters,
+                tensor_list=None if info.tensor_list is None else list_record(info.tensor_list)))
     return Plan(settings=dict(config.settings(), strategy="distance"), swaps=swaps, skipped=skipped, skipped_small=small,
                 control_edges=list(control_edges), ops=len(graph),
                 levels=1 + max((op.level for op in graph.ops.values()), default=-1))
@@ -148,13 +153,20 @@ def reason_not_to_swap(producer: Op, info, far: list[Op], config: LMSConfig, com
         return f"{producer.type} output: variables, constants and shape metadata are never swapped"
     if producer.region is not None:
         return f"produced inside v1 control flow ({producer.region}); a tensor there exists per iteration or branch"
-    if producer.type in CONTROL_FLOW_TYPES:
-        return f"produced by control flow ({producer.type}); the rewrite does not reach into its branches or loop"
-    flow_consumer = next((c for c in far if c.type in CONTROL_FLOW_TYPES or c.region is not None), None)
-    if flow_consumer is not None:
-        return f"consumed by control flow ({flow_consumer.type} {flow_consumer.name})"
-    if info.dtype in NON_DATA_DTYPES:
-        return f"{info.dtype} tensors hold handles, not data"
+    if is_accumulator(producer, info, far):
+        # A forward loop's list read by gradient loops only (lms_core.loops): swapped whole, from
+        # outside both loops, like any activation.
+        reason = accumulator_reason(info.tensor_list)
+        if reason is not None:
+            return reason
+    else:
+        if producer.type in CONTROL_FLOW_TYPES:
+            return f"produced by control flow ({producer.type}); the rewrite does not reach into its branches or loop"
+        flow_consumer = next((c for c in far if c.type in CONTROL_FLOW_TYPES or c.region is not None), None)
+        if flow_consumer is not None:
+            return f"consumed by control flow ({flow_consumer.type} {flow_consumer.name})"
+        if info.dtype in NON_DATA_DTYPES:
+            return f"{info.dtype} tensors hold handles, not data"
     if info.nbytes is None:
         return f"unknown size (shape {_shape_text(info.shape)}, dtype {info.dtype})"
     if on_other_device(producer.device, compute_device):
@@ -183,6 +195,31 @@ def constant_ops(graph: Graph) -> frozenset[str]:
         if op.type == "Const" or (preds and all(p in constant for p in preds)):
             constant.add(name)
     return frozenset(constant)
+
+
+# Ops TensorFlow's oneDNN graph pass fuses into their neighbour on a CPU (a bias gradient into the
+# weight gradient: _MklConv2DBackpropFilterWithBias, _MklFusedMatMulGrad), where the gating check runs.
+FUSED_ON_CPU_TYPES = frozenset({"BiasAddGrad"})
+
+
+def fused_on_cpu(graph: Graph) -> frozenset[str]:
+    """Ops no executed node is named after on the CPU the plan is checked on (FUSED_ON_CPU_TYPES):
+    a swap-in gated by one could not be shown to wait for it."""
+    return frozenset(name for name, op in graph.ops.items() if op.type in FUSED_ON_CPU_TYPES)
+
+
+def transpose_pairs(graph: Graph) -> frozenset[str]:
+    """Transposes that read or feed another Transpose. Grappler's arithmetic optimizer folds such a
+    pair into one Transpose, or removes both where they cancel (stacked Keras RNNs: the gradient of
+    one layer's batch-to-time transpose meets the next layer's time-to-batch one), so neither may be a
+    trigger: a swap-in gated by it would no longer wait for anything."""
+    pairs: set[str] = set()
+    for op in graph.ops.values():
+        if op.type == "Transpose" and op.inputs:
+            source = graph.ops.get(op.inputs[0].rpartition(":")[0])
+            if source is not None and source.type == "Transpose":
+                pairs.update((op.name, source.name))
+    return frozenset(pairs)
 
 
 def _plan_swap_ins(graph: Graph, producer: Op, index: int, far: list[Op], config: LMSConfig) -> list[SwapIn]:
@@ -227,13 +264,17 @@ def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
 @once_per_graph
 def latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
     """For every op, the input `find_trigger` steps back to: its backward predecessor of the highest
-    level (then name) that is neither a folded constant nor inside v1 control flow; None if none.
+    level (then name) that is neither a folded constant, a transpose pair or an op fused on a CPU, nor
+    inside v1 control flow, nor a functional loop; None if none.
     Found once per graph, so a walk back over hundreds of levels costs one lookup per level."""
-    constant = constant_ops(graph)
+    removed = constant_ops(graph) | transpose_pairs(graph) | fused_on_cpu(graph)
     latest: dict[str, str | None] = {}
     for name in graph.order:
+        # A functional loop is no trigger: TensorFlow lowers it to v1 control flow before running
+        # it, and no executed op keeps its name (a gradient loop, walking back from the next one).
         backward = [graph[p] for p in graph.predecessors(graph[name])
-                    if graph[p].category == BACKWARD and p not in constant and graph[p].region is None]
+                    if graph[p].category == BACKWARD and p not in removed and graph[p].region is None
+                    and graph[p].type not in WHILE_TYPES]
         latest[name] = max(backward, key=lambda op: (op.level, op.name)).name if backward else None
     return latest
 

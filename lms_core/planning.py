@@ -7,17 +7,23 @@
 
 `lms_core.tf` traces and applies; this module decides. `lms.mode` is decided here and nowhere else
 (`tunes`): `auto` tunes the four TFLMS knobs for the target by simulation, and without a target
-(nothing to tune for) the config's own settings are used, as in `manual`.
+(nothing to tune for) the config's own settings are used, as in `manual`. What "fits" means is
+lms_core.fit's (`lms.fit_judge`): every candidate plan, of either strategy, is judged by it, and the
+chosen plan's report carries the allocator's and a planned pool's figures (`PlanReport.memory`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lms_core.access_order import AccessOrderResult, Schedule, lower_bound_s, plan_access_order
+from lms_core.add_chains import plan_add_chains, with_add_chains
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
+from lms_core.fit import FitJudge, make_judge
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
+from lms_core.memory.bfc import MIB
 from lms_core.plan import Plan
 from lms_core.planner import plan_swaps
 from lms_core.report import PlannedFor, PlanReport, Prediction
@@ -25,6 +31,8 @@ from lms_core.serialize import order_edges, with_control_edges
 from lms_core.simulator import SimulationResult, simulate
 from lms_core.tuner import TuningResult, plan_warnings, tune
 from lms_core.units import format_bytes
+
+BFC_REPLANS = 2  # access-order plans for live bytes; times it plans again for less when the BFC judge says no
 
 
 @dataclass
@@ -68,13 +76,24 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     `lms.serialize_branches` the backward branches are ordered first (lms_core.serialize) and the
     swaps are planned, and simulated, on the ordered graph, which `Planning.graph` then is."""
     traced, edges = graph, []
+    # The AddN chains (lms.chain_add_n) come first: swaps are planned on the graph that will run.
+    chains = plan_add_chains(graph) if config.chain_add_n else []
+    graph = with_add_chains(graph, chains)
     if config.serialize_branches:
         edges = order_edges(graph, max(1, config.min_tensor_bytes))
         graph = with_control_edges(graph, edges)
     if target is None:
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
-        return Planning(graph, PlanReport(plan), traced=traced)
-    return _plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges)
+        return _with_chains(Planning(graph, PlanReport(plan), traced=traced), chains)
+    return _with_chains(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges), chains)
+
+
+def _with_chains(planning: Planning, chains: list) -> Planning:
+    """`planning` with the AddN chains its graph was rewritten with recorded in its plan."""
+    if not chains:
+        return planning
+    plan = dataclasses.replace(planning.plan, add_chains=list(chains))
+    return dataclasses.replace(planning, report=dataclasses.replace(planning.report, plan=plan))
 
 
 def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
@@ -84,25 +103,22 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
     device_budget = int(target.device_memory_bytes * config.memory_ratio)
     host_budget = int(target.host_memory_bytes * config.host_memory_ratio)
     unlimited = simulate(graph, Plan(settings=config.settings()), costs, target.link, keep_events=True)
+    judge = make_judge(config, compute_device, graph, costs, target.link, device_budget, host_budget)
     options = []
     if strategies(config) & {"distance"}:
         if tunes(config, target):
             tuning = tune(graph, costs, target.link, device_budget, host_budget, config, compute_device, data_inputs,
-                          control_edges=edges)
+                          control_edges=edges, judge=judge)
             options.append(_Option(tuning.plan, tuning.simulation, tuning.describe(), tuple(tuning.warnings),
-                                   tuning=tuning))
+                                   tuning.fits, tuning=tuning))
         else:
             plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
             simulation = simulate(graph, plan, costs, target.link)
-            options.append(_Option(plan, simulation, None, tuple(plan_warnings(
-                plan, simulation, unlimited, target.link, device_budget, host_budget))))
+            options.append(_judged_option(plan, simulation, None, judge, unlimited, target.link))
     if strategies(config) & {"access-order"}:
-        ordered = plan_access_order(graph, config, costs, target.link, device_budget, compute_device, data_inputs,
-                                    edges, unswapped=unlimited)
-        options.append(_Option(ordered.plan, ordered.simulation, ordered.describe(), tuple(plan_warnings(
-            ordered.plan, ordered.simulation, unlimited, target.link, device_budget, host_budget)),
-            access_order=ordered))
-    chosen = min(options, key=lambda option: option.rank(device_budget, host_budget))
+        options.append(_access_order_option(graph, config, costs, target.link, judge, compute_device, data_inputs,
+                                            edges, unlimited))
+    chosen = min(options, key=lambda option: option.rank(device_budget))
     bound_s, _ = lower_bound_s(Schedule(graph, unlimited), target.link, device_budget)
     text = chosen.text
     if len(options) > 1:
@@ -110,8 +126,41 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
         text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
                 f"{other.simulation.step_time_s * 1000:.0f} ms, peak {format_bytes(other.simulation.peak_device_bytes)}")
     report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
-                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings)
+                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings,
+                        memory=judge.memory(chosen.plan))
     return Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
+
+
+def _judged_option(plan: Plan, simulation: SimulationResult, text: str | None, judge: FitJudge,
+                   unlimited: SimulationResult, link: LinkRates, **made_by) -> "_Option":
+    """A plan, its replay and the judge's verdict, with the warnings that verdict calls for."""
+    fits = judge.fits(plan, simulation)
+    needed = None if fits else judge.device_needed(plan, simulation)
+    warnings = plan_warnings(plan, simulation, unlimited, link, judge.device_budget_bytes, judge.host_budget_bytes,
+                             fits, needed)
+    return _Option(plan, simulation, text, tuple(warnings), fits, **made_by)
+
+
+def _access_order_option(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, judge: FitJudge,
+                         compute_device: str, data_inputs: frozenset[str], edges: list,
+                         unlimited: SimulationResult) -> "_Option":
+    """The access-order plan, judged. The planner meets a budget of live bytes; where the allocator
+    needs more than the budget for its plan (fragmentation), it plans again for a budget lower by
+    that excess, at most BFC_REPLANS times."""
+    budget = judge.device_budget_bytes
+    for _ in range(BFC_REPLANS + 1):
+        ordered = plan_access_order(graph, config, costs, link, budget, compute_device, data_inputs, edges,
+                                    unswapped=unlimited)
+        text = ordered.describe() + (f"; planned for {format_bytes(budget)} of live bytes so that the BFC "
+                                     f"requirement fits" if budget < judge.device_budget_bytes else "")
+        option = _judged_option(ordered.plan, ordered.simulation, text, judge, unlimited, link, access_order=ordered)
+        sim = ordered.simulation
+        if option.fits or judge.kind != "bfc" or sim.peak_device_bytes > budget or sim.peak_host_bytes > \
+                judge.host_budget_bytes:
+            return option  # fits, or misses the budget by live bytes already: a lower one would not help
+        needed, _ = judge.device_needed(ordered.plan, ordered.simulation)
+        budget -= max(needed - judge.device_budget_bytes, MIB)
+    return option
 
 
 def strategies(config: LMSConfig) -> set[str]:
@@ -130,14 +179,15 @@ class _Option:
     simulation: SimulationResult
     text: str | None
     warnings: tuple[str, ...]
+    fits: bool  # by the judge (lms_core.fit)
     tuning: TuningResult | None = None
     access_order: AccessOrderResult | None = None
 
-    def rank(self, device_budget: int, host_budget: int) -> tuple:
+    def rank(self, device_budget: int) -> tuple:
         """Fitting beats not fitting; among fitting plans the faster. Among the others the lower
         device peak, unless the two are within 1% of the budget of each other: then the faster."""
         sim = self.simulation
-        if sim.peak_device_bytes <= device_budget and sim.peak_host_bytes <= host_budget:
+        if self.fits:
             return (0, sim.step_time_s)
         return (1, sim.peak_device_bytes // max(1, device_budget // 100), sim.step_time_s)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from lms_core.costs import DeviceProfile
 from lms_core.link import LinkRates
+from lms_core.loops import UnseenBytes
 from lms_core.plan import Plan
 from lms_core.units import format_bytes
 
@@ -68,6 +69,37 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """The plan's device memory below the schedule (lms_core.memory, lms_core.fit): the simulated
+    allocation trace as TensorFlow's runtime holds its buffers (resident buffers, then `steps` steps),
+    what TensorFlow's GPU allocator (BFC) needs for it, and what a pool planned from the buffers'
+    lifetimes would need. Which of the two figures the plan was judged by is `judge`."""
+
+    judge: str  # "bfc": the BFC requirement had to fit the budget; "live": the simulated peak did
+    budget_bytes: int  # device memory x lms.memory_ratio
+    steps: int
+    live_peak_bytes: int  # the most bytes TensorFlow's buffers hold at once
+    bfc_bytes: int  # the smallest limit (whole MiB) under which the allocator model runs the trace
+    allocator: str  # which allocator configuration was modelled
+    fragmentation: float  # TensorFlow's GetFragmentation at the peak, at that limit
+    pool_bytes: int  # a pool with every buffer's offset planned (lms_core.memory.pool)
+    lower_bound_bytes: int  # the most 256-byte-aligned bytes live at once: no placement is smaller
+    bfc_fits: bool  # the trace replays under the budget on the allocator model
+
+    def describe(self) -> str:
+        judged = (f"fits judged by the BFC requirement: {'fits' if self.bfc_fits else 'does NOT fit'} "
+                  f"{format_bytes(self.budget_bytes)}" if self.judge == "bfc" else
+                  "fits judged by the simulated peak (lms.fit_judge live)")
+        return (f"device memory as TensorFlow holds it ({self.steps} steps): live peak "
+                f"{format_bytes(self.live_peak_bytes)}, BFC requirement {format_bytes(self.bfc_bytes)} "
+                f"(+{self.bfc_bytes / max(1, self.live_peak_bytes) - 1:.1%}), planned pool "
+                f"{format_bytes(self.pool_bytes)}, lower bound {format_bytes(self.lower_bound_bytes)}; {judged}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Grappler's peak-memory estimate of the step without and with the plan on a virtual GPU of
     `device_memory_bytes` (lms_core.tf.estimate): an estimate of a schedule, not a measurement."""
@@ -76,6 +108,9 @@ class MemoryEstimate:
     lms_bytes: int
     host_bytes: int  # what the swap-outs park in host memory at the peak
     device_memory_bytes: int
+    # Loop accumulators Grappler sizes as nothing (lms_core.loops): when the step has any, the three
+    # figures above include them, and this says how much of each they are.
+    loop_accumulators: UnseenBytes | None = None
 
     @property
     def baseline_fits(self) -> bool:
@@ -85,12 +120,19 @@ class MemoryEstimate:
     def lms_fits(self) -> bool:
         return self.lms_bytes <= self.device_memory_bytes
 
+    @property
+    def source(self) -> str:
+        """What the peaks are: Grappler's, or Grappler's plus the loop accumulators it cannot size."""
+        return "Grappler" if self.loop_accumulators is None else "Grappler + loop accumulators"
+
     def lines(self) -> list[str]:
         lines = []
         for label, peak, fits in (("without LMS", self.baseline_bytes, self.baseline_fits),
                                   ("with LMS", self.lms_bytes, self.lms_fits)):
-            lines.append(f"{label:<12} Grappler GPU peak {format_bytes(peak):>10}: "
+            lines.append(f"{label:<12} {self.source} GPU peak {format_bytes(peak):>10}: "
                          f"{'fits' if fits else 'does NOT fit'} in {format_bytes(self.device_memory_bytes)}")
+        if self.loop_accumulators is not None:
+            lines.append(self.loop_accumulators.describe())
         if self.baseline_bytes:
             lines.append(f"GPU peak with LMS is {self.lms_bytes / self.baseline_bytes:.0%} of the baseline; "
                          f"host memory used {format_bytes(self.host_bytes)}")
@@ -154,6 +196,7 @@ class PlanReport:
     prediction: Prediction | None = None
     tuning: str | None = None  # how the plan was chosen (the tuner, the access-order planner), when it was
     warnings: tuple[str, ...] = ()
+    memory: DeviceMemory | None = None  # the allocator's and a planned pool's needs, when planned for a target
     estimate: MemoryEstimate | None = None
     verification: Verification | None = None
 
@@ -177,6 +220,8 @@ class PlanReport:
         lines += [f"warning: {warning}" for warning in self.warnings]
         if self.prediction is not None and self.planned_for is not None:
             lines.append(self.prediction.describe(self.planned_for))
+        if self.memory is not None:
+            lines.append(self.memory.describe())
         if self.estimate is not None:
             lines += self.estimate.lines()
         if self.verification is not None:
@@ -191,12 +236,15 @@ class PlanReport:
             "estimated_peak_bytes": ({"baseline": estimate.baseline_bytes, "lms": estimate.lms_bytes}
                                      if estimate else {}),
             "estimated_host_bytes": estimate.host_bytes if estimate else None,
+            **({"estimated_loop_accumulator_bytes": dataclasses.asdict(estimate.loop_accumulators)}
+               if estimate and estimate.loop_accumulators else {}),
             "device_memory_bytes": estimate.device_memory_bytes if estimate else None,
             "fits": {"baseline": estimate.baseline_fits, "lms": estimate.lms_fits} if estimate else {},
             "link": self.planned_for.link.describe() if self.planned_for else None,
             "device_profile": self.planned_for.device.describe() if self.planned_for else None,
             "cost_model": self.planned_for.cost_model if self.planned_for else None,
             "prediction": dataclasses.asdict(self.prediction) if self.prediction else {},
+            "device_memory": self.memory.to_dict() if self.memory else {},
             "tuning": self.tuning, "warnings": list(self.warnings),
             "verification": self.verification.to_dict() if self.verification else {},
         })

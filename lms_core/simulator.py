@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from lms_core.add_chains import with_add_chains
 from lms_core.graph import Graph, once_per_graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.plan import Plan
@@ -30,6 +31,19 @@ from lms_core.plan import Plan
 # for an op that started the instant a copy it waited for arrived (a copy is an op of its own), and
 # for a copy back's buffer, allocated once its trigger has ended and freed what it read.
 ALLOC, FREE, ALLOC_AFTER_COPY = 0, 1, 2
+
+
+class SimulationStalled(ValueError):
+    """The plan deadlocks: ops wait for a swap-in whose trigger never runs (`parked`: swap-in ->
+    waiting ops) or for the copy out of a tensor that is never produced (`waiting_for_copies_out`:
+    tensor -> waiting ops), each held up, directly or not, by the other."""
+
+    def __init__(self, never_ran: int, parked: dict[str, list[str]], waiting_for_copies_out: dict[str, list[str]]):
+        super().__init__(f"simulation stalled: {never_ran} op(s) never ran (a swap-in whose trigger never runs: "
+                         f"{sorted(parked)[:3]}; a copy out of a tensor never produced: "
+                         f"{sorted(waiting_for_copies_out)[:3]})")
+        self.parked = parked
+        self.waiting_for_copies_out = waiting_for_copies_out
 
 
 @dataclass(frozen=True)
@@ -153,7 +167,9 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does.
-    `keep_events` fills `executed` and `memory_events`."""
+    `keep_events` fills `executed` and `memory_events`. A plan's AddN chains (lms_core.add_chains)
+    are replayed as their adds; on a graph already rewritten with them, as it is."""
+    graph = with_add_chains(graph, plan.add_chains)
     replay = _Replay(graph, plan, costs, link)
     replay.run()
     result = replay.result(persistent_bytes, keep_timeline)
@@ -221,8 +237,7 @@ class _Replay:
             self._swap_in(name, finish)
             self._wake_successors(name, finish)
         if self.parked or self.parked_out or self.deferred or len(self.end) != len(graph.order):
-            raise ValueError(f"simulation stalled: {len(graph.order) - len(self.end)} op(s) never ran (a swap-in whose "
-                             f"trigger never runs: {sorted(self.parked)[:3]})")
+            raise SimulationStalled(len(graph.order) - len(self.end), dict(self.parked), dict(self.parked_out))
 
     def _enqueue(self, name: str) -> None:
         """Queue an op whose inputs are produced, at the time its swap-ins arrive and the waits of

@@ -11,6 +11,9 @@ Rounds repeat while a round moves some knob (at most MAX_ROUNDS), because the be
 on the other three: with swap-ins started too late no threshold fits, with them on time one does.
 Settings already simulated are not simulated again. ResNet-50 takes 35 (nvlink2) to 68 (pcie3)
 simulations, each replaying the whole step with the rank's link and device.
+
+"Fits" is the judge's (lms_core.fit): by default the simulated peak against the budget; with the BFC
+judge, each candidate's allocation trace replayed on the model of TensorFlow's GPU allocator.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lms_core.config import LMSConfig
+from lms_core.fit import FitJudge
 from lms_core.graph import Graph
 from lms_core.link import GB, LinkRates
 from lms_core.plan import ControlEdge, Plan
@@ -42,6 +46,8 @@ class TuningResult:
     fits: bool
     simulations: int
     warnings: list[str] = field(default_factory=list)
+    judge: str = "live"  # what "fits" was judged by (lms_core.fit)
+    device_needed_bytes: int = 0  # the chosen plan's need by that judge (the BFC requirement, or the peak)
 
     @property
     def overhead(self) -> float:
@@ -61,8 +67,12 @@ class TuningResult:
         def against(used: int, budget: int) -> str:
             return f"{format_bytes(used)} of {format_bytes(budget)}{'' if used <= budget else ': OVER'}"
 
+        device = against(sim.peak_device_bytes, self.device_budget_bytes)
+        if self.judge == "bfc":
+            device = (f"{format_bytes(sim.peak_device_bytes)} simulated, BFC requirement "
+                      f"{against(self.device_needed_bytes, self.device_budget_bytes)}")
         return (f"{self.settings_text()}; predicted "
-                f"peak: device {against(sim.peak_device_bytes, self.device_budget_bytes)}, host "
+                f"peak: device {device}, host "
                 f"{against(sim.peak_host_bytes, self.host_budget_bytes)} budget ({'fits' if self.fits else 'does NOT fit'}), "
                 f"step {sim.step_time_s * 1000:.0f} ms vs {self.unlimited.step_time_s * 1000:.0f} ms unlimited "
                 f"(+{self.overhead:.0%}), {sim.hidden_share:.0%} of transfer hidden; {self.simulations} simulations")
@@ -94,43 +104,43 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_bytes: int, host_budget_bytes: int,
          base: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
-         control_edges: list[ControlEdge] = ()) -> TuningResult:
+         control_edges: list[ControlEdge] = (), judge: FitJudge | None = None) -> TuningResult:
     """`graph` carries categories and levels (and `control_edges`, the order imposed on it, which
-    every plan records). `base` supplies what is not tuned (filters, size floor)."""
+    every plan records). `base` supplies what is not tuned (filters, size floor). `judge` decides
+    what fits (default: the simulated peaks against the two budgets)."""
+    judge = judge or FitJudge.live(device_budget_bytes, host_budget_bytes)
     count = 0
 
-    def run(config: LMSConfig) -> tuple[LMSConfig, Plan, SimulationResult]:
+    def run(config: LMSConfig) -> _Candidate:
         nonlocal count
         count += 1
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges)
-        return config, plan, simulate(graph, plan, costs, link)
+        return _Candidate(config, plan, simulate(graph, plan, costs, link), judge)
 
-    def fits(result: SimulationResult) -> bool:
-        return result.peak_device_bytes <= device_budget_bytes and result.peak_host_bytes <= host_budget_bytes
-
-    def better(a, b) -> bool:
+    def better(a: _Candidate, b: _Candidate | None) -> bool:
         """Fitting beats not fitting. Among fitting plans the faster step wins, then the lower peak.
         Among plans that do not fit yet the lower device peak wins, then the one swapping more: the
         knobs tuned next (ahead, groupby, sync) can only lower the peak of tensors that are swapped.
         (Host memory is the plentiful one; it only constrains plans that fit the device.)"""
         if b is None:
             return True
+        if b.fits and a.simulation.step_time_s > b.simulation.step_time_s:
+            return False  # slower than a plan that fits: loses whether it fits or not, so it is not judged
 
-        def key(candidate):
-            _, plan, result = candidate
-            if fits(result):
+        def key(candidate: _Candidate):
+            result = candidate.simulation
+            if candidate.fits:
                 return (0, result.step_time_s, result.peak_device_bytes)
-            return (1, result.peak_device_bytes, -plan.swapped_bytes)
+            return (1, result.peak_device_bytes, -candidate.plan.swapped_bytes)
 
         return key(a) < key(b)
 
     unlimited = simulate(graph, Plan(settings=base.settings()), costs, link)
-    if fits(unlimited):
+    if judge.fits(Plan(settings=base.settings()), unlimited):
         none = dataclasses.replace(base, swapout_threshold=max(thresholds(graph)[0] * 2, 1))
-        chosen = run(none)
-        return _result(chosen, unlimited, device_budget_bytes, host_budget_bytes, fits(chosen[2]), count, link)
+        return _result(run(none), unlimited, judge, count, link)
 
-    seen: dict[tuple[int, ...], tuple] = {}
+    seen: dict[tuple[int, ...], _Candidate] = {}
 
     def settings_of(config: LMSConfig) -> tuple[int, ...]:
         return tuple(getattr(config, knob) for knob in KNOBS)
@@ -147,23 +157,43 @@ def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_b
                     seen[key] = run(trial)
                 if better(seen[key], best):
                     best = seen[key]
-            config = best[0]
+            config = best.config
         if settings_of(config) == settled:
             break
-    return _result(best, unlimited, device_budget_bytes, host_budget_bytes, fits(best[2]), count, link)
+    return _result(best, unlimited, judge, count, link)
 
 
-def _result(chosen, unlimited, device_budget, host_budget, fit, count, link) -> TuningResult:
-    config, plan, sim = chosen
-    return TuningResult(config=config, plan=plan, simulation=sim, unlimited=unlimited, device_budget_bytes=device_budget,
-                        host_budget_bytes=host_budget, fits=fit, simulations=count,
-                        warnings=plan_warnings(plan, sim, unlimited, link, device_budget, host_budget))
+class _Candidate:
+    """Settings, their plan and its replay; whether it fits is judged when first asked (a BFC
+    judgement replays the plan's allocation trace, and the search can often decide without it)."""
+
+    def __init__(self, config: LMSConfig, plan: Plan, simulation: SimulationResult, judge: FitJudge):
+        self.config, self.plan, self.simulation, self._judge = config, plan, simulation, judge
+        self._fits: bool | None = None
+
+    @property
+    def fits(self) -> bool:
+        if self._fits is None:
+            self._fits = self._judge.fits(self.plan, self.simulation)
+        return self._fits
+
+
+def _result(chosen: _Candidate, unlimited, judge: FitJudge, count, link) -> TuningResult:
+    plan, sim = chosen.plan, chosen.simulation
+    needed = judge.device_needed(plan, sim)
+    return TuningResult(config=chosen.config, plan=plan, simulation=sim, unlimited=unlimited,
+                        device_budget_bytes=judge.device_budget_bytes, host_budget_bytes=judge.host_budget_bytes,
+                        fits=chosen.fits, simulations=count, judge=judge.kind, device_needed_bytes=needed[0],
+                        warnings=plan_warnings(plan, sim, unlimited, link, judge.device_budget_bytes,
+                                               judge.host_budget_bytes, chosen.fits, needed))
 
 
 def plan_warnings(plan: Plan, sim: SimulationResult, unlimited: SimulationResult, link: LinkRates, device_budget: int,
-                  host_budget: int) -> list[str]:
+                  host_budget: int, fits: bool | None = None, device_needed: tuple[int, str] | None = None
+                  ) -> list[str]:
     """What a user should know about a plan made for a budget: that its copies out cannot all be
-    hidden behind the forward pass, and that even it does not fit."""
+    hidden behind the forward pass, and that even it does not fit. `fits` is the judge's verdict and
+    `device_needed` its figure for the device (lms_core.fit); without them the simulated peaks judge."""
     warnings = []
     # What the link can carry out while the forward pass computes (measured on the unswapped step; a
     # plan that waits for its copies stretches its own forward pass).
@@ -175,12 +205,16 @@ def plan_warnings(plan: Plan, sim: SimulationResult, unlimited: SimulationResult
             f"{movable / GB:.1f} GB during the {forward * 1000:.0f} ms forward pass "
             f"({link.d2h_bytes_per_s / GB:.0f} GB/s): copies will stall the step; use a smaller batch or a faster "
             f"link (nvlink2, c2c)")
-    if sim.peak_device_bytes > device_budget or sim.peak_host_bytes > host_budget:
-        short = "host" if sim.peak_device_bytes <= device_budget else "device"
+    needed, what = device_needed or (sim.peak_device_bytes, "peak")
+    if fits is None:
+        fits = needed <= device_budget and sim.peak_host_bytes <= host_budget
+    if not fits:
+        short = "device" if needed > device_budget or sim.peak_host_bytes <= host_budget else "host"
         fix = ("lower train.batch_size, or plan for more host memory (lms.host_memory, lms.host_memory_ratio)"
                if short == "host" else "lower train.batch_size")
+        by = "" if what == "peak" else f" by its {what}"
         warnings.append(
-            f"even the best plan needs {format_bytes(sim.peak_device_bytes)} of device memory (budget "
+            f"even the best plan needs {format_bytes(needed)} of device memory{by} (budget "
             f"{format_bytes(device_budget)}) and {format_bytes(sim.peak_host_bytes)} of host memory (budget "
             f"{format_bytes(host_budget)}): too little {short} memory; {fix}")
     return warnings

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from lms_core.access_order import Schedule, lower_bound_s, plan_access_order
+from lms_core.access_order import (Schedule, lower_bound_s, lowest_free_budget, plan_access_order,
+                                   zero_overhead_point)
 from lms_core.config import LMSConfig
 from lms_core.link import NAMED_LINKS, LinkRates
 from lms_core.plan import Plan
@@ -94,6 +95,55 @@ def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_
     assert not tight.fits
 
 
+def test_a_copy_out_still_queued_at_the_replayed_peak_makes_the_op_allocating_there_wait():
+    """Budget 12 MiB, 2 s per copy. a's copy out runs 3-5, so c (allocating at 4: a, b, c) waits
+    for it until 5; b's copy queues behind a's, 5-7. c then runs 5-6, loss 6-7, and seed allocates
+    at 7, the instant b's copy ends: allocations at an instant count before its frees, so b, c and
+    seed's output are all there. The replay shows b there only for want of its copy out, so seed
+    waits for that copy too (the unswapped schedule, on which the waits are first planned, had b's
+    copy done long before)."""
+    graph = chain_step()
+    result = plan_access_order(graph, CONFIG, unit_costs(graph), SLOW, 12 * MIB)
+    assert {swap.tensor: swap.waiters for swap in result.plan.swaps} == {
+        "a:0": ["c"], "b:0": ["gradient_tape/seed"]}
+
+
+def test_the_floor_is_what_no_swap_can_move():
+    """With every activation off the device whenever it could be, the chain still holds 20 MiB as
+    grad_b starts at t=8: grad_c's output and b (its readers), grad_b's new output, and seed and c,
+    which grad_c frees at that very instant (an instant's allocations count before its frees, in
+    the simulator as in Grappler). No budget below that is met, and the plan says why."""
+    graph = chain_step()
+    result = plan_access_order(graph, CONFIG, unit_costs(graph), FAST, 16 * MIB)
+    assert result.floor_bytes == 20 * MIB
+    assert not result.fits and result.simulation.peak_device_bytes >= result.floor_bytes
+    assert "below this schedule's floor: 20.00 MiB" in result.describe()
+
+
+@pytest.mark.parametrize("link, saved_mib", [(FAST, 4), (LinkRates("mid", 8 * MIB, 8 * MIB, "test"), 4), (SLOW, 0)],
+                         ids=["fast", "mid", "slow"])
+def test_the_zero_overhead_point_is_the_largest_saving_that_costs_no_time(link, saved_mib):
+    """The chain's floor is 20 MiB of its 24 (above): the most any plan saves is a (4 MiB), off the
+    device at t=8 and read at t=9. Its copy back can start at 8 at the earliest and must be done by
+    9: at 0.5 s per copy (8 MiB/s) it is, for free; at 2 s per copy it is not, so on that link no
+    saving is free and the point is the unswapped peak."""
+    graph = chain_step()
+    point = zero_overhead_point(graph, CONFIG, unit_costs(graph), link, resolution_bytes=1024)
+    assert point.unswapped_bytes == 24 * MIB
+    assert point.budget_bytes == (24 - saved_mib) * MIB
+    assert point.step_time_s <= point.unswapped_step_s * 1.01
+    assert point.saving == pytest.approx(saved_mib / 24)
+    assert point.bound_bytes <= point.budget_bytes
+
+
+def test_no_saving_is_free_beyond_what_the_link_moves_around_each_moment():
+    """At 2 MiB/s on the chain (10 s of compute): at t=8 the device holds 24 MiB; in the 2 s after
+    it only 4 MiB can come back, so at least 20 MiB stay. At t=7 (20 MiB) 6 MiB can come back in
+    the 3 s left: 14. At t=9 (20 MiB), 2 MiB in 1 s: 18. Earlier moments hold less. 20 MiB it is."""
+    graph = chain_step()
+    assert lowest_free_budget(Schedule(graph, unswapped(graph, SLOW)), SLOW) == 20 * MIB
+
+
 # --- on what TensorFlow executes ---------------------------------------------------------------------
 
 
@@ -108,7 +158,8 @@ def test_access_order_plans_are_gated_and_train_the_same_on_split_devices(name):
     from lms_core.planning import Target, op_costs
     from lms_core.tf.gating import verify_gating
     from tests.fixtures import COMPUTE, HOST
-    from tests.lms_models import ARCHITECTURES, assert_same_training, training_step
+    from benchmarks.architectures import ARCHITECTURES, training_step
+    from tests.fixtures import assert_same_training
 
     config = LMSConfig(enabled=True, mode="auto", strategy="access-order", min_tensor_bytes=0, memory_ratio=1.0)
     model_a, _, step_a, specs, batch = training_step(ARCHITECTURES[name], device=COMPUTE)

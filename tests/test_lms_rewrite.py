@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
-from lms_core.tf.apply import KEEP_ATTR
+from lms_core.tf.graphdef import KEEP_ATTR
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2
 from tensorflow.python.grappler import tf_optimizer
 from benchmarks.architectures import ARCHITECTURES, conv_relu_step, training_step

@@ -9,9 +9,9 @@ from lms_core.config import LMSConfig
 from lms_core.costs import PROFILES, op_flops, op_seconds
 from lms_core.graph import Graph, Op, TensorInfo
 from lms_core.link import INFINITE, NAMED_LINKS, LinkRates, link_named, pcie_link
-from lms_core.plan import Plan
+from lms_core.plan import Plan, Swap, SwapIn
 from lms_core.planner import plan_swaps
-from lms_core.simulator import simulate
+from lms_core.simulator import SimulationStalled, simulate
 from benchmarks.architectures import resnet50_imagenet, training_step
 from tests.fixtures import MIB, analyzed, chain_step, conv_graph, tiny_step, unit_costs
 
@@ -177,3 +177,20 @@ def test_swapin_ahead_holds_the_copy_longer_in_the_simulator_and_changes_nothing
         simulated.append(simulate(graph, rewritten.plan, step_costs(graph, PROFILES["v100"]), INFINITE).peak_device_bytes)
     assert grappler[1] == grappler[0]
     assert simulated[1] > simulated[0]
+
+
+def test_a_plan_that_deadlocks_names_the_waits_that_hold_it_up():
+    """b waits for the copy out of c, which b's own output feeds: c can never be made, b never runs,
+    and the simulator says which op waits for which tensor's copy (what the access-order planner
+    drops before it replays again)."""
+    g = chain_step()
+    swap = Swap(tensor="c:0", producer_type="Relu", shape=[4, 256, 256, 4], dtype="float32", nbytes=4 * MIB,
+                producer_level=g["c"].level, swap_out="lms/swapout_c_0",
+                swap_ins=[SwapIn(name="lms/swapin_c_0_0", trigger="gradient_tape/seed",
+                                 trigger_level=g["gradient_tape/seed"].level, consumers=["gradient_tape/grad_c"],
+                                 consumer_levels=[g["gradient_tape/grad_c"].level])],
+                waiters=["b"])
+    with pytest.raises(SimulationStalled) as stalled:
+        simulate(g, Plan(settings={"sync_mode": 1}, swaps=[swap]), unit_costs(g), INFINITE)
+    assert stalled.value.waiting_for_copies_out == {"c:0": ["b"]}
+    assert stalled.value.parked == {}

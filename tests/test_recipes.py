@@ -18,7 +18,7 @@ def test_the_project_ships_the_paper_and_cpu_recipes():
 def test_every_shipped_recipe_loads(path):
     recipe = load_recipe(path)
     assert isinstance(recipe, Recipe)
-    assert recipe.model.name in ("resnet50", "unet3d")
+    assert recipe.model.name in ("resnet50", "unet3d", "seq2seq")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -48,6 +48,29 @@ def test_the_paper_recipes_match_the_papers():
     assert (unet.model.labels, unet.model.levels, unet.model.base_filters, unet.model.dropout) == (3, 5, 16, 0.3)
     assert unet.train.optimizer == "adam" and unet.train.learning_rate == 5e-4 and unet.train.precision == "float32"
     assert unet.data.source == "synthetic" and resnet.data.source == "synthetic"
+
+
+def test_the_seq2seq_recipes_are_the_nmt_network_and_its_cpu_twin():
+    paper, cpu = load_recipe(RECIPES / "seq2seq.yaml"), load_recipe(RECIPES / "seq2seq-cpu.yaml")
+    model = paper.model  # Meng et al.'s case at NMT scale: 4 encoder layers, 1024 units, 32k tokens
+    assert (model.vocabulary, model.embedding, model.units, model.encoder_layers) == (32000, 512, 1024, 4)
+    assert model.input_shape == [50, 50] and paper.lms.enabled
+    assert cpu.model.name == "seq2seq" and cpu.model.encoder_layers >= 2  # a bidirectional layer and one more
+    assert cpu.lms.enabled and cpu.distributed.np == 2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.units=63", "model.units"),  # the bidirectional first layer splits the units in two
+    ("model.vocabulary=2", "model.vocabulary"),
+    ("model.encoder_layers=0", "model.encoder_layers"),
+    ("model.classes=10", "model.classes"),
+    ("data.source=tfrecord", "data.source"),
+])
+def test_a_broken_seq2seq_field_names_its_key(override, key):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPES / "seq2seq-cpu.yaml", [override, "data.path=/nowhere"] if "data." in override
+                    else [override])
+    assert key in str(err.value)
 
 
 def test_the_cpu_unet_is_the_paper_network_smaller_with_all_three_supervised_levels():

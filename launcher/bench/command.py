@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from launcher.bench.configurations import CONFIGURATIONS, LABELS
+from launcher.bench.configurations import CONFIGURATIONS, FLOORS, LABELS
 from launcher.bench.papers import figures_for
 from launcher.bench.search import SizeGrid
 from launcher.arguments import UsageError, UsageParser
@@ -349,8 +349,9 @@ def run(setup: BenchSetup, work: Path):
             say(f"lms-launch plans for: {line}")
     results = [search(setup, key, judge_for(setup, key, source, lms, target, work)) for key in setup.configs]
     notes = work_out_results(setup, results, source, lms, target)
-    if setup.floor_bound:
-        results.append(floor_bound(setup, results, source, lms, target))
+    if setup.floor_bound:  # the traced step's floor, then the floor after the rewrites, scaled from it
+        for key in FLOORS:
+            results.append(floor_bound(setup, results, source, lms, target, key))
     lms_plan = None
     lms_result = next((r for r in results if r.key == "lms-launch"), None)
     if lms_result is not None and setup.judge == "estimate":
@@ -458,25 +459,26 @@ def work_out_results(setup: BenchSetup, results: list, source, lms, target) -> l
     return notes
 
 
-def floor_bound(setup: BenchSetup, results: list, source, lms, target):
-    """The largest size whose floor fits: no configuration can pass it. The search starts from a
-    guess scaled from a floor already known (working sets grow with the batch, or with the side to
-    the power of its dimensions), a step or two from the answer."""
+def floor_bound(setup: BenchSetup, results: list, source, lms, target, key: str = "floor"):
+    """The largest size whose floor (`floor`, or `floor-rewritten`: after the floor-lowering
+    rewrites) fits: no plan of swaps on that graph can pass it. The search starts from a guess scaled
+    from a floor of the same kind already known (working sets grow with the batch, or with the side
+    to the power of its dimensions), a step or two from the answer."""
     from launcher.bench.configurations import PROBES, EstimateSetting
 
     known = max((r for r in results if r.floor is not None), key=lambda r: r.largest, default=None)
     memory = setup.device_memory_bytes
     start, stride = None, None
     if known is not None and memory:
-        floor = known.floor
+        floor = source.floors_at(known.largest)[FLOORS.index(key)]
         fixed = floor.weights_bytes + floor.optimizer_bytes
         if floor.working_set_bytes and memory > fixed:
             scale = ((memory - fixed) / floor.working_set_bytes) ** (1 / setup.axis.dims)
             start, stride = int(known.largest * scale), setup.grid.step
     if memory is None:  # the run judge on a GPU: its memory is the GPU's
         memory = setup.gpu.memory_bytes
-    judge = partial(PROBES["floor"], EstimateSetting(source, memory, target, lms))
-    result = search(setup, "floor", judge, start=start, stride=stride)
+    judge = partial(PROBES[key], EstimateSetting(source, memory, target, lms))
+    result = search(setup, key, judge, start=start, stride=stride)
     probe = result.search.probe_at(result.largest)
     if probe is not None:
         result.floor = probe.data["floor_object"]

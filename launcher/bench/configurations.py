@@ -7,10 +7,14 @@ judge; `run_judge` judges the same three by running them):
 - `lms-launch`: `lms.mode: auto` for the target (link, device profile, device and host memory), the
   recipe's other `lms` settings kept, applied with the gated placement, estimated with its swap-outs
   and swap-ins on the host (lms_core.tf.rewrite and estimate_rewrite: planner changes show up here);
-- `floor`: no configuration, the bound none can pass: the largest op's working set plus weights and
-  optimizer state (launcher.bench.floor) must fit.
+- `floor`: no configuration, the bound no plan of swaps can pass: the largest op's working set plus
+  weights and optimizer state (launcher.bench.floor) must fit;
+- `floor-rewritten`: the same bound for the step with the floor-lowering rewrites a plan can make
+  (lms_core.add_chains: the AddNs that set the floor as chains of two-input adds).
 
-A size fits when the estimated device peak is at most the device memory. Every probe traces the step
+A size fits when the estimated device peak is at most the device memory. For a step with recurrent
+loops every row's peak is Grappler's plus the loop accumulators it cannot size (lms_core.loops):
+all of them for `none` and `grappler`, what the plan leaves for `lms-launch` (estimate_rewrite). Every probe traces the step
 afresh at its size (launcher.bench.steps) and keeps only small results (peaks, predictions, the plan
 as a dict), so no two large graphs are alive at once.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from launcher.bench.search import Probe
 from launcher.bench.steps import StepSource
@@ -34,7 +39,9 @@ LABELS = {
     "grappler": "TensorFlow Grappler SWAPPING_HEURISTICS",
     "lms-launch": "lms-launch, lms.mode auto",
     "floor": "floor: largest op + weights + optimizer state",
+    "floor-rewritten": "floor after rewrites (AddN as chains of adds)",
 }
+FLOORS = ("floor", "floor-rewritten")  # the rows that are bounds, not configurations
 
 
 @dataclass
@@ -47,14 +54,28 @@ class EstimateSetting:
     lms: LMSConfig  # lms-launch's settings: the recipe's, enabled, mode auto
 
 
+def unswapped_lists(traced) -> tuple[int, str]:
+    """What a step's loop accumulators and zero lists add to Grappler's peak when nothing swaps them
+    (Grappler sizes a TensorList as nothing; lms_core.loops sizes them), and the words that say so."""
+    from lms_core.loops import unseen_bytes
+
+    lists = unseen_bytes(traced.graph, set())
+    if not lists.count:
+        return 0, ""
+    return lists.baseline_bytes, f"incl. {format_bytes(lists.baseline_bytes)} of loop accumulators"
+
+
 def probe_none(setting: EstimateSetting, size: int) -> Probe:
     import lms_core.tf as lms_tf
 
     started = time.perf_counter()
     sized = setting.source.at(size)
-    concrete = lms_tf.trace(sized.step, *sized.specs)
+    traced = lms_tf.trace_step(sized.step, *sized.specs)
+    concrete = traced.concrete
     estimate = lms_tf.estimate_peak(concrete.graph.as_graph_def(), concrete, setting.device_memory_bytes)
-    return Probe(size, estimate.fits, estimate.device_bytes, time.perf_counter() - started)
+    lists, detail = unswapped_lists(traced)
+    peak = estimate.device_bytes + lists
+    return Probe(size, peak <= setting.device_memory_bytes, peak, time.perf_counter() - started, detail=detail)
 
 
 def probe_grappler(setting: EstimateSetting, size: int) -> Probe:
@@ -63,11 +84,16 @@ def probe_grappler(setting: EstimateSetting, size: int) -> Probe:
 
     started = time.perf_counter()
     sized = setting.source.at(size)
-    concrete = lms_tf.trace(sized.step, *sized.specs)
+    traced = lms_tf.trace_step(sized.step, *sized.specs)
+    concrete = traced.concrete
     estimate, swapping = estimate_with_swapping(concrete.graph.as_graph_def(), concrete, setting.device_memory_bytes)
+    # Grappler's swapping cannot see the lists (it sizes them as nothing), so it never swaps them.
+    lists, lists_detail = unswapped_lists(traced)
+    peak = estimate.device_bytes + lists
     swaps = len(swapping.swaps)
-    return Probe(size, estimate.fits, estimate.device_bytes, time.perf_counter() - started,
-                 detail=f"{swaps} swap(s) inserted", data={"swaps": swaps, "host_bytes": estimate.host_bytes})
+    detail = f"{swaps} swap(s) inserted" + (f"; {lists_detail}" if lists else "")
+    return Probe(size, peak <= setting.device_memory_bytes, peak, time.perf_counter() - started,
+                 detail=detail, data={"swaps": swaps, "host_bytes": estimate.host_bytes})
 
 
 def probe_lms(setting: EstimateSetting, size: int, target: Target | None = None) -> Probe:
@@ -94,12 +120,16 @@ def probe_lms(setting: EstimateSetting, size: int, target: Target | None = None)
     return Probe(size, estimate.lms_fits, estimate.lms_bytes, time.perf_counter() - started, detail=detail, data=data)
 
 
-def probe_floor(setting: EstimateSetting, size: int) -> Probe:
+def probe_floor(setting: EstimateSetting, size: int, rewritten: bool = False) -> Probe:
+    """The floor of the traced step at `size`, or with `rewritten` the floor after the rewrites."""
     started = time.perf_counter()
-    floor = setting.source.floor_at(size)
+    floor = setting.source.floors_at(size)[1 if rewritten else 0]
     detail = f"largest op {floor.op_type} {format_bytes(floor.working_set_bytes)}"
+    if rewritten:
+        detail += f"; {floor.add_chains} AddN(s) as chains"
     return Probe(size, floor.total_bytes <= setting.device_memory_bytes, floor.total_bytes,
                  time.perf_counter() - started, detail=detail, data={"floor": floor.to_dict(), "floor_object": floor})
 
 
-PROBES = {"none": probe_none, "grappler": probe_grappler, "lms-launch": probe_lms, "floor": probe_floor}
+PROBES = {"none": probe_none, "grappler": probe_grappler, "lms-launch": probe_lms, "floor": probe_floor,
+          "floor-rewritten": partial(probe_floor, rewritten=True)}

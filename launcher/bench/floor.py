@@ -3,21 +3,27 @@
 Whatever is swapped, the op running at any moment needs all its inputs and its outputs on the device
 together, and the weights and the optimizer's state (momentum, Adam's moments) stay there for the
 whole step. So the floor at a size is the largest single op's working set (its distinct input and
-output tensors, by the traced graph's shapes) plus the bytes of every model and optimizer variable.
-Inputs that are variable reads (`ReadVariableOp`) are the weights themselves and are not counted
-twice. Weight gradients and the allocator's fragmentation come on top of it in any real plan. One
-way below it: a kernel that writes its output into an input's buffer (TensorFlow's AddN and some
-element-wise gradients may) needs one tensor less than its inputs and outputs.
+output tensors, by the traced graph's shapes; lms_core.working_set) plus the bytes of every model
+and optimizer variable. Inputs that are variable reads (`ReadVariableOp`) are the weights themselves
+and are not counted twice; an op that only aliases its input (a `Reshape`) counts the tensor once.
+Weight gradients and the allocator's fragmentation come on top of it in any real plan.
+
+It is a floor for plans of swaps on the graph as traced. Rewriting the op that sets it lowers it:
+`floor_after_rewrites` is the floor of the step with the floor-lowering rewrites a plan can make
+(lms_core.add_chains: the AddNs that set it computed as chains of two-input adds). One way below
+both: a kernel that writes its output into an input's buffer (TensorFlow's element-wise kernels may)
+needs one tensor less than its inputs and outputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lms_core.graph import Graph, split_tensor
+from lms_core.add_chains import plan_add_chains, with_add_chains
+from lms_core.graph import Graph
+from lms_core.working_set import VARIABLE_READS, largest_working_set, working_set
 
-VARIABLE_READS = frozenset({"ReadVariableOp"})
-"""Ops whose output is a variable's value. (Captured variable handles are placeholders of resource
-type, which have no size; the batch's placeholders do have one, and count.)"""
+__all__ = ["Floor", "VARIABLE_READS", "floor_after_rewrites", "largest_working_set", "step_floor", "variables_bytes",
+           "working_set"]
 
 
 @dataclass
@@ -27,6 +33,7 @@ class Floor:
     working_set_bytes: int  # that op's distinct inputs and outputs
     weights_bytes: int  # every model variable (weights, batch-norm statistics)
     optimizer_bytes: int  # every optimizer variable (slots, step counter, learning rate)
+    add_chains: int = 0  # AddNs computed as chains of adds in the graph this is the floor of
 
     @property
     def total_bytes(self) -> int:
@@ -35,33 +42,7 @@ class Floor:
     def to_dict(self) -> dict:
         return {"op": self.op, "op_type": self.op_type, "working_set_bytes": self.working_set_bytes,
                 "weights_bytes": self.weights_bytes, "optimizer_bytes": self.optimizer_bytes,
-                "total_bytes": self.total_bytes}
-
-
-def working_set(graph: Graph, name: str) -> int:
-    """Bytes of op `name`'s distinct input tensors and its outputs. Variable reads are left out
-    (counted with the weights)."""
-    op = graph.ops[name]
-    total = sum(t.nbytes or 0 for t in op.outputs)
-    for tensor in dict.fromkeys(op.inputs):
-        producer = graph.ops.get(split_tensor(tensor)[0])
-        if producer is None or producer.type in VARIABLE_READS:
-            continue
-        total += graph.tensor(tensor).nbytes or 0
-    return total
-
-
-def largest_working_set(graph: Graph) -> tuple[str, int]:
-    """(op name, bytes) of the op whose inputs and outputs together are largest; ties go to the
-    first op in the graph's order, so the answer is deterministic."""
-    best, best_bytes = "", -1
-    for name in graph.order:
-        if graph.ops[name].type in VARIABLE_READS:
-            continue
-        size = working_set(graph, name)
-        if size > best_bytes:
-            best, best_bytes = name, size
-    return best, max(0, best_bytes)
+                "add_chains": self.add_chains, "total_bytes": self.total_bytes}
 
 
 def variables_bytes(variables) -> int:
@@ -77,6 +58,12 @@ def variables_bytes(variables) -> int:
     return total
 
 
-def step_floor(graph: Graph, weights_bytes: int, optimizer_bytes: int) -> Floor:
+def step_floor(graph: Graph, weights_bytes: int, optimizer_bytes: int, add_chains: int = 0) -> Floor:
     name, size = largest_working_set(graph)
-    return Floor(name, graph.ops[name].type if name else "", size, weights_bytes, optimizer_bytes)
+    return Floor(name, graph.ops[name].type if name else "", size, weights_bytes, optimizer_bytes, add_chains)
+
+
+def floor_after_rewrites(graph: Graph, weights_bytes: int, optimizer_bytes: int) -> Floor:
+    """The floor of `graph` with the floor-lowering rewrites applied (lms_core.add_chains)."""
+    chains = plan_add_chains(graph)
+    return step_floor(with_add_chains(graph, chains), weights_bytes, optimizer_bytes, len(chains))

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.bench.configurations import FLOORS
 from launcher.bench.floor import Floor
 from launcher.bench.papers import PaperFigure
 from launcher.bench.search import SearchResult
@@ -53,7 +54,7 @@ class ConfigurationResult:
     def peak_bytes(self) -> int | None:
         """The judge's peak at the largest size (the floor row has none: its figure is the floor)."""
         probe = self.search.probe_at(self.largest)
-        return None if probe is None or self.key == "floor" else probe.peak_bytes
+        return None if probe is None or self.key in FLOORS else probe.peak_bytes
 
 
 @dataclass
@@ -198,7 +199,7 @@ def chart_bars(report: BenchReport) -> list[dict]:
     """The chart's bars, in order: this run's configurations, the floor, then the papers' figures
     that measured what this benchmark measures (the others are in the table only)."""
     bars = [{"label": result.label, "ratio": _ratio(report, result.largest), "size": _size_text(report, result),
-             "source": "bound" if result.key == "floor" else "this run"} for result in report.results]
+             "source": "bound" if result.key in FLOORS else "this run"} for result in report.results]
     bars += [{"label": f"{paper.source}: {paper.measure}", "ratio": paper.ratio,
               "size": report.axis.label(paper.size) if paper.size else None, "source": "paper"}
              for paper in report.papers if paper.kind == report.kind]

@@ -17,7 +17,7 @@ import gc
 from dataclasses import dataclass
 from typing import Callable
 
-from launcher.bench.floor import Floor, step_floor, variables_bytes
+from launcher.bench.floor import Floor, floor_after_rewrites, step_floor, variables_bytes
 from launcher.bench.sizes import SizeAxis
 from launcher.config import Recipe
 
@@ -44,6 +44,7 @@ class StepSource:
         self.recipe = recipe
         self._setup = None  # max-batch: the one model and optimizer
         self.builds = 0  # models built so far (the reuse a test can see)
+        self._floors: dict[int, tuple[Floor, Floor]] = {}  # size -> both floors: the two floor rows share traces
 
     def at(self, size: int) -> SizedStep:
         from launcher.rank.training import make_train_step
@@ -73,8 +74,20 @@ class StepSource:
         return build_training(recipe, ranks=1, device=BUILD_DEVICE)
 
     def floor_at(self, size: int) -> Floor:
-        """The floor at `size` (launcher.bench.floor), from a fresh trace of the step."""
-        return self.describe_at(size)[0]
+        """The floor of the traced step at `size` (launcher.bench.floor)."""
+        return self.floors_at(size)[0]
+
+    def floors_at(self, size: int) -> tuple[Floor, Floor]:
+        """(the floor of the traced step, the floor after the floor-lowering rewrites) at `size`, from
+        one trace; remembered, so the second floor search traces no size the first one did."""
+        if size not in self._floors:
+            import lms_core.tf as lms_tf
+
+            sized = self.at(size)
+            graph = lms_tf.trace_step(sized.step, *sized.specs).graph
+            self._floors[size] = (step_floor(graph, sized.weights_bytes, sized.optimizer_bytes),
+                                  floor_after_rewrites(graph, sized.weights_bytes, sized.optimizer_bytes))
+        return self._floors[size]
 
     def describe_at(self, size: int, target=None) -> tuple[Floor, float | None]:
         """(the floor, the simulator's unswapped step time on `target`, or None without one) at

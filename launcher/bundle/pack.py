@@ -18,7 +18,6 @@ Exit status: 0 when the bundle was written; 2 for bad input (nothing written); 1
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime as dt
@@ -40,6 +39,7 @@ from urllib.parse import unquote, urlparse
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
 from launcher.bundle import archive, elf, have as havemod
 from launcher.bundle.manifest import MANIFEST, SUMS, Manifest, ManifestError, sums_text, verify
 from launcher.bundle.manifest import load as load_manifest
@@ -98,7 +98,7 @@ REMOVE = (
 CUDNN_MEMBERS = ("nvidia/cudnn",)  # plus the nvidia_cudnn_cu12-*.dist-info folder
 
 
-class BundleError(Exception):
+class BundleError(UsageError):
     """Bad input or an impossible request: exit 2, the message says what to change."""
 
 
@@ -362,8 +362,8 @@ class Options:
 
 
 def parse_args(argv: list[str]) -> Options:
-    parser = argparse.ArgumentParser(prog="lms-launch bundle", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__[__doc__.index("On a"):])
+    parser = UsageParser(prog="lms-launch bundle", description=__doc__.split("\n")[0],
+                         epilog=__doc__[__doc__.index("On a"):])
     parser.add_argument("--python", default="3.12", help="the target's Python, e.g. 3.12 or 3.12.3 (default 3.12)")
     parser.add_argument("--machine", default="x86_64", choices=("x86_64", "aarch64"), help="the target's processor")
     parser.add_argument("--glibc", default=DEFAULT_GLIBC, help=f"the target's glibc (default {DEFAULT_GLIBC})")
@@ -561,6 +561,59 @@ def resplit(bundle: Path, part_size: int, progress: archive.Progress = say) -> P
     return bundle
 
 
+def say_decisions(carried: list, kept: list, left: dict[str, str]) -> None:
+    say(f"carried ({len(carried)}):")
+    for d in carried:
+        say(f"  {d.name} {d.version}: {d.why}")
+    say(f"the target's own ({len(kept)}):")
+    for d in kept:
+        say(f"  {d.name} {d.version or '(version unknown)'}: {d.why}")
+    say(f"left out ({len(left)}):")
+    for n, why in sorted(left.items()):
+        say(f"  {n}: {why}")
+
+
+def trim(site: Path, opts: Options, left_out: list) -> tuple[list[dict], list[dict], list[dict]]:
+    """Removes what TensorFlow does not need on a GPU (REMOVE, CUDA headers), puts empty stand-ins in
+    place of the CUDA libraries it only loads, and adds what the target's Python lacks:
+    (removed, stand-ins, added), each a record for the manifest."""
+    removed = []
+    for rel, why in REMOVE:
+        if (site / rel).exists():
+            size = tree_size(site / rel)
+            shutil.rmtree(site / rel)
+            removed.append({"path": rel, "bytes": size, "why": why})
+    for inc in sorted(p for p in site.glob("nvidia/**/include") if p.is_dir()):
+        size = tree_size(inc)
+        shutil.rmtree(inc)
+        removed.append({"path": str(inc.relative_to(site)), "bytes": size, "why": "CUDA C/C++ headers"})
+    stubs = make_stubs(site) if opts.stubs else []
+    for s in stubs:
+        say(f"  stand-in {s['path']} (soname {s['soname']}): {format_bytes(s['replaced_bytes'])} -> "
+            f"{format_bytes(s['bytes'])}")
+    guard_left_out(site, left_out)
+    added = [a for a in (add_distutils_alias(site, opts.python),) if a]
+    for a in added:
+        say(f"  added {a['path']}: {a['why']}")
+    return removed, stubs, added
+
+
+def package_records(carried: list, kept: list, left: dict[str, str], wheels: dict[str, Path]) -> dict:
+    """The manifest's account of every package: carried (and in which part set), the target's own,
+    left out; and the cuDNN version carried, if any."""
+    def part_set(d) -> str:
+        return "cudnn" if canonicalize_name(d.name) == "nvidia-cudnn-cu12" else "base"
+
+    return {
+        "cudnn_version": next((str(d.version) for d in carried if part_set(d) == "cudnn"), None),
+        "packages": [{"name": d.name, "version": str(d.version), "why": d.why, "set": part_set(d),
+                      "wheel": wheels[canonicalize_name(d.name)].name} for d in carried],
+        "from_target": [{"name": d.name, "version": str(d.version) if d.version else None, "why": d.why}
+                        for d in kept],
+        "left_out": [{"name": n, "why": why} for n, why in sorted(left.items())],
+    }
+
+
 def build(opts: Options) -> Path:
     """Resolves, decides, downloads, installs, trims, and hands the tree to write_bundle."""
     py_tag = "py" + "".join(opts.python.split(".")[:2])
@@ -587,15 +640,7 @@ def build(opts: Options) -> Path:
                                          {lo.name: lo.why for lo in left_out})
         carried = [d for d in decisions if d.carry]
         kept = [d for d in decisions if not d.carry]
-        say(f"carried ({len(carried)}):")
-        for d in carried:
-            say(f"  {d.name} {d.version}: {d.why}")
-        say(f"the target's own ({len(kept)}):")
-        for d in kept:
-            say(f"  {d.name} {d.version or '(version unknown)'}: {d.why}")
-        say(f"left out ({len(left)}):")
-        for n, why in sorted(left.items()):
-            say(f"  {n}: {why}")
+        say_decisions(carried, kept, left)
 
         clock = Clock()
         wheels = fetch([canonicalize_name(d.name) for d in carried], resolved, opts.cache, opts.pip_python, target_args)
@@ -612,40 +657,16 @@ def build(opts: Options) -> Path:
         say(f"installed: {format_bytes(installed)}")
 
         clock = Clock()
-        removed = []
-        for rel, why in REMOVE:
-            if (site / rel).exists():
-                size = tree_size(site / rel)
-                shutil.rmtree(site / rel)
-                removed.append({"path": rel, "bytes": size, "why": why})
-        for inc in sorted(p for p in site.glob("nvidia/**/include") if p.is_dir()):
-            size = tree_size(inc)
-            shutil.rmtree(inc)
-            removed.append({"path": str(inc.relative_to(site)), "bytes": size, "why": "CUDA C/C++ headers"})
-        stubs = make_stubs(site) if opts.stubs else []
-        for s in stubs:
-            say(f"  stand-in {s['path']} (soname {s['soname']}): {format_bytes(s['replaced_bytes'])} -> "
-                f"{format_bytes(s['bytes'])}")
-        guard_left_out(site, left_out)
-        added = [a for a in (add_distutils_alias(site, opts.python),) if a]
-        for a in added:
-            say(f"  added {a['path']}: {a['why']}")
+        removed, stubs, added = trim(site, opts, left_out)
         trimmed = tree_size(site)
         clock.record(opts.timings, "trim")
         say(f"trimmed: {format_bytes(trimmed)} (removed {format_bytes(sum(r['bytes'] for r in removed))} of "
             f"headers and scripts, {format_bytes(sum(s['replaced_bytes'] - s['bytes'] for s in stubs))} by stand-ins)")
 
-        cudnn_version = next((str(d.version) for d in carried if canonicalize_name(d.name) == "nvidia-cudnn-cu12"), None)
         info = {
             "tensorflow": tf_version, "requirements": opts.requirements, "python": opts.python,
             "machine": opts.machine, "glibc": opts.glibc, "platform_tags": tags, "have_file": opts.have.source,
-            "cudnn_version": cudnn_version, "stubs": stubs, "removed": removed, "added": added,
-            "packages": [{"name": d.name, "version": str(d.version), "why": d.why,
-                          "set": "cudnn" if canonicalize_name(d.name) == "nvidia-cudnn-cu12" else "base",
-                          "wheel": wheels[canonicalize_name(d.name)].name} for d in carried],
-            "from_target": [{"name": d.name, "version": str(d.version) if d.version else None, "why": d.why}
-                            for d in kept],
-            "left_out": [{"name": n, "why": why} for n, why in sorted(left.items())],
+            "stubs": stubs, "removed": removed, "added": added, **package_records(carried, kept, left, wheels),
             "sizes": {"wheels": wheel_bytes, "installed": installed, "trimmed": trimmed},
             "compression": {"format": "xz", "preset": opts.preset, "chunk": opts.chunk},
             "builder": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
@@ -664,8 +685,8 @@ def build(opts: Options) -> Path:
 
 
 def resplit_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lms-launch bundle resplit",
-                                     description="Cut a bundle's parts to another size, without rebuilding it.")
+    parser = UsageParser(prog="lms-launch bundle resplit",
+                         description="Cut a bundle's parts to another size, without rebuilding it.")
     parser.add_argument("bundle", type=Path, help="the bundle's folder (holding manifest.json)")
     parser.add_argument("--part-size", required=True, help="largest part, e.g. 60MiB or 2GiB")
     args = parser.parse_args(argv)
@@ -692,9 +713,11 @@ def main(argv: list[str] | None = None) -> int:
         opts = parse_args(argv)
         build(opts)
         return 0
-    except (BundleError, havemod.HaveError, ManifestError) as err:
+    except (UsageError, havemod.HaveError, ManifestError) as err:
         print(f"lms-launch bundle: error: {err}", file=sys.stderr)
-        return 2
+        return USAGE_STATUS
+    except SystemExit as done:  # --help
+        return int(done.code or 0)
     except (havemod.ResolveError, RuntimeError, OSError) as err:
         print(f"lms-launch bundle: failed: {err}\n(nothing was written; wheels downloaded so far stay in the cache)",
               file=sys.stderr)

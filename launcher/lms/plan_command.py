@@ -3,8 +3,10 @@
 
 Traces the recipe's training step (one rank, no training, nothing started) and plans LMS for a rank on
 the given link and device: auto-tuned when `lms.mode` is auto, else with the recipe's settings. Prints
-the simulator's prediction (step time, stalls, hidden transfer) and Grappler's peak-memory estimate
-with and without LMS on a virtual GPU (no GPU is needed), and checks on the step's structural twin
+the simulator's prediction (step time, stalls, hidden transfer), the chosen plan's device memory as
+TensorFlow would hold it (live peak, the GPU allocator's requirement by the BFC model, a planned pool
+and its lower bound; `lms.fit_judge` says which of them "fits" was judged by), Grappler's peak-memory
+estimate with and without LMS on a virtual GPU (no GPU is needed), and checks on the step's structural twin
 that every swap-in waits for its trigger in what TensorFlow executes. Writes DIR/plan.json, and
 DIR/plan.png with --plot. Exit 0 on success, 1 when a swap-in is not gated, 2 for bad input.
 """

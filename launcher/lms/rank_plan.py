@@ -35,7 +35,7 @@ class RankPlan:
                 f"{settings['swapin_ahead']}, groupby {settings['swapin_groupby']}, sync {settings['sync_mode']}")
         if report.estimate is not None:
             estimate = report.estimate
-            text += (f"; Grappler peak {format_bytes(estimate.baseline_bytes)} -> {format_bytes(estimate.lms_bytes)} "
+            text += (f"; {estimate.source} peak {format_bytes(estimate.baseline_bytes)} -> {format_bytes(estimate.lms_bytes)} "
                      f"of {format_bytes(estimate.device_memory_bytes)} (host {format_bytes(estimate.host_bytes)})")
         if report.prediction is not None:
             text += (f"; predicted step {report.prediction.step_time_s * 1000:.0f} ms vs "

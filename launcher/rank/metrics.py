@@ -12,6 +12,8 @@ metrics.jsonl fields (one JSON object per rank per interval):
                             whole, ending with a device sync, so queued work is counted)
   samples_per_sec           samples this rank processed per second over the interval
   voxels_per_sec            3D U-Net only: samples_per_sec x voxels per sample
+  tokens_per_sec            Seq2Seq only: real target tokens (padding left out, as in the loss)
+                            this rank processed per second over the interval
   peak_memory_bytes         peak bytes allocated on the compute device during the interval
                             (tf.config.experimental.get_memory_info, reset each interval)
   host_rss_bytes            resident memory of the rank's process at the end of the interval
@@ -46,6 +48,7 @@ class IntervalRecord:
     loss: float
     learning_rate: float
     end_time_s: float
+    tokens_per_sec: float | None = None
 
 
 class DeviceMemoryMonitor:
@@ -95,7 +98,7 @@ class TensorBoardSink:
     """RUN_DIR/tensorboard/rank<N>: one event stream per rank, so TensorBoard overlays the ranks."""
 
     SCALARS = ("samples_per_sec", "step_time_s", "peak_memory_bytes", "host_rss_bytes", "loss",
-               "learning_rate", "voxels_per_sec")
+               "learning_rate", "voxels_per_sec", "tokens_per_sec")
 
     def __init__(self, directory: Path):
         self._directory = directory
@@ -176,6 +179,7 @@ class RankSummary:
     initial_loss: float
     final_loss: float
     weights_sha256: str
+    tokens_per_sec: float | None = None
 
 
 def summarize_rank(rank: int, host: str, device: str, records: list[IntervalRecord],
@@ -185,15 +189,18 @@ def summarize_rank(rank: int, host: str, device: str, records: list[IntervalReco
     seconds = sum(r.steps * r.step_time_s for r in records)
     samples = sum(r.samples_per_sec * r.steps * r.step_time_s for r in records)
     rate = samples / seconds if seconds > 0 else 0.0
-    voxels = None
+    voxels = tokens = None
     if records and records[0].voxels_per_sec is not None and records[0].samples_per_sec > 0:
         voxels = rate * records[0].voxels_per_sec / records[0].samples_per_sec
+    if records and records[0].tokens_per_sec is not None and seconds > 0:
+        # Real tokens per sample vary with the batches (padding is not counted): total over total time.
+        tokens = sum(r.tokens_per_sec * r.steps * r.step_time_s for r in records) / seconds
     return RankSummary(
         rank=rank, host=host, device=device, measured_steps=steps, samples_per_sec=rate,
         voxels_per_sec=voxels, step_time_s=seconds / steps if steps else math.nan,
         peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
         host_rss_bytes=max((r.host_rss_bytes for r in records), default=0),
-        initial_loss=initial_loss, final_loss=final_loss, weights_sha256=weights_sha256,
+        initial_loss=initial_loss, final_loss=final_loss, weights_sha256=weights_sha256, tokens_per_sec=tokens,
     )
 
 
@@ -201,11 +208,13 @@ def build_summary(ranks: list[RankSummary], extra: dict) -> dict:
     """summary.json: per-rank figures and their totals; `extra` adds run facts (model, batch, LMS)."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     voxel_rates = [r.voxels_per_sec for r in ranks if r.voxels_per_sec is not None]
+    token_rates = [r.tokens_per_sec for r in ranks if r.tokens_per_sec is not None]
     summary = dict(extra)
     summary.update({
         "ranks": [asdict(r) for r in ranks],
         "total_samples_per_sec": sum(r.samples_per_sec for r in ranks),
         "total_voxels_per_sec": sum(voxel_rates) if voxel_rates else None,
+        "total_tokens_per_sec": sum(token_rates) if token_rates else None,
         "max_peak_memory_bytes": max((r.peak_memory_bytes for r in ranks), default=0),
         "total_peak_memory_bytes": sum(r.peak_memory_bytes for r in ranks),
         "weights_in_sync": len({r.weights_sha256 for r in ranks}) == 1,
@@ -230,5 +239,7 @@ def format_summary_table(summary: dict) -> str:
     )
     if summary.get("total_voxels_per_sec"):
         lines.append(f"      voxels/s, all ranks: {summary['total_voxels_per_sec']:.4g}")
+    if summary.get("total_tokens_per_sec"):
+        lines.append(f"      target tokens/s, all ranks: {summary['total_tokens_per_sec']:.4g}")
     lines.append("      weights identical on all ranks: " + ("yes" if summary["weights_in_sync"] else "NO"))
     return "\n".join(lines)

@@ -89,6 +89,9 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, t
             objective = optimizer.scale_loss(loss) if scale_loss else loss
         grads = tape.gradient(objective, model.trainable_variables)
         if ranks > 1:
+            # An embedding's gradient is IndexedSlices, on which Horovod's grouped_allreduce fails
+            # under Keras 3 (no dense_shape): reduce it dense, as Horovod's sparse_as_dense option does.
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
             grads = hvd.grouped_allreduce(grads, op=hvd.Average)
         optimizer.apply(grads, model.trainable_variables)
         return loss
@@ -138,12 +141,16 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
         next(batches)
     interval_start = time.perf_counter()
     interval_steps = 0
+    interval_tokens = None  # real target tokens of the interval's steps (sequence tasks), on the device
 
     for step_number in range(start_step + 1, train_cfg.steps + 1):
         done = step_number - start_step
         inputs, labels = next(batches)
         loss = step(inputs, labels)
         interval_steps += 1
+        tokens = task.target_tokens(labels)
+        if tokens is not None:
+            interval_tokens = tokens if interval_tokens is None else interval_tokens + tokens
         if done == 1:
             initial_loss = float(loss)
         measuring_starts = done == log_cfg.skip_steps
@@ -162,12 +169,14 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
                     peak_memory_bytes=memory.peak_bytes(), host_rss_bytes=host_rss_bytes(),
                     loss=final_loss, learning_rate=float(current_learning_rate(optimizer)),
                     end_time_s=time.time(),
+                    tokens_per_sec=None if interval_tokens is None else int(interval_tokens) / elapsed,
                 )
                 records.append(record)
                 on_interval([record])
             memory.reset()
             interval_start = time.perf_counter()
             interval_steps = 0
+            interval_tokens = None
         stopping = stop is not None and stop.agreed()
         if checkpointer is not None and (checkpointer.due(step_number, last_step=step_number == train_cfg.steps)
                                          or (stopping and checkpointer.enabled)):

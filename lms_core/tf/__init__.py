@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lms_core.add_chains import with_add_chains
 from lms_core.config import LMSConfig, SettingError
 from lms_core.graph import Graph
+from lms_core.loops import unseen_bytes
 from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
 from lms_core.report import MemoryEstimate, PlanReport
@@ -82,13 +84,14 @@ def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
-    referenced = [name for swap in plan.swaps
+    graph = with_add_chains(traced.graph, [c for c in plan.add_chains if c.op in traced.graph.ops])
+    referenced = [chain.op for chain in plan.add_chains] + [name for swap in plan.swaps
                   for name in [swap.tensor.rpartition(":")[0], *swap.waiters,
                                *(n for s in swap.swap_ins for n in (s.trigger, *s.consumers, *s.waiters))]]
-    missing = next((name for name in referenced if name not in traced.graph.ops), None)
+    missing = next((name for name in referenced if name not in graph.ops), None)
     if missing is not None:
         raise ValueError(f"the plan refers to op {missing!r}, which this trace of the step does not have")
-    return _applied(traced, Planning(traced.graph, PlanReport(plan), traced=traced.graph), compute_device, host_device,
+    return _applied(traced, Planning(graph, PlanReport(plan), traced=traced.graph), compute_device, host_device,
                     Placement.GATED_ON_HOST)
 
 
@@ -104,8 +107,11 @@ def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> Memo
     size, with the rewrite's host-side ops on the host."""
     baseline = estimate_peak(rewritten.concrete.graph.as_graph_def(), rewritten.concrete, device_memory_bytes)
     lms = estimate_peak(rewritten.graph_def, rewritten.concrete, device_memory_bytes, host_ops=rewritten.host_ops)
-    return MemoryEstimate(baseline_bytes=baseline.device_bytes, lms_bytes=lms.device_bytes, host_bytes=lms.host_bytes,
-                          device_memory_bytes=device_memory_bytes)
+    # Grappler sizes a loop's TensorList accumulators as nothing; the IR knows their size.
+    loops = unseen_bytes(rewritten.planning.graph, {swap.tensor for swap in rewritten.plan.swaps})
+    return MemoryEstimate(baseline_bytes=baseline.device_bytes + loops.baseline_bytes,
+                          lms_bytes=lms.device_bytes + loops.lms_bytes, host_bytes=lms.host_bytes + loops.host_bytes,
+                          device_memory_bytes=device_memory_bytes, loop_accumulators=loops if loops.count else None)
 
 
 __all__ = ["Target", "Planning", "TracedStep", "Placement", "estimate_rewrite", "estimate_peak", "PeakEstimate",

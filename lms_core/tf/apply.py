@@ -13,11 +13,17 @@ completes as soon as its `_Send` has run. So:
   runs only after it, so the copy back waits for the trigger (the control edge crosses devices as a
   small control `_Send`/`_Recv`); TensorFlow makes one `_Recv` per swap-in on the compute device,
   and all of that swap-in's consumers read it.
+- A loop accumulator (a TensorList) is read by its gradient `While` through an `Identity` on the
+  compute device (`on_device_name`): TensorFlow lowers the loop and puts each loop variable's Enter
+  on its input's device, so fed from the host the list would stay there and cross to the device and
+  back every iteration. The Identity forwards the list (no copy), and Grappler sizes a variant as
+  nothing, so it costs no memory in the estimate either.
 - Arrival (`SwapIn.arrival`, sync modes 2 and 3 only): a one-element `Slice` of the swap-in's value
   on the compute device. It reads the value, so it runs once the value is there, and allocates 4
   bytes; the waiters wait for it. (An `Identity` would forward the buffer on a GPU, but Grappler's
   memory estimate counts its output as new memory: 1.7 GiB too much on the 3D U-Net at 192^3. A
-  `Shape` needs no data, and Grappler pins it to the host.)
+  `Shape` needs no data, and Grappler pins it to the host.) A loop accumulator (a TensorList) has
+  no elements to slice: its arrival is a `TensorListLength`, which reads the list on the device.
 
 All added ops carry `_grappler_do_not_remove`, or Grappler's dependency optimizer folds them away
 as no-op Identities. So do the triggers and the ends of the plan's control edges: Grappler rewrites some backward ops away (its arithmetic
@@ -37,8 +43,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, node_def_pb2
 
 from lms_core.plan import Plan
-
-KEEP_ATTR = "_grappler_do_not_remove"
+from lms_core.tf.add_chains import apply_add_chains
+from lms_core.tf.graphdef import KEEP_ATTR, graphdef_ref
 
 
 class Placement(enum.Enum):
@@ -46,18 +52,14 @@ class Placement(enum.Enum):
     UNGATED_ON_COMPUTE = "ungated-on-compute"  # negative control: the copy back happens in the forward pass
 
 
-def graphdef_ref(tensor: str) -> str:
-    """`op:0` -> `op`, `op:2` -> `op:2`: how GraphDef inputs name tensors."""
-    op, _, index = tensor.rpartition(":")
-    return op if index == "0" else tensor
-
-
 def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, host_device: str,
                placement: Placement = Placement.GATED_ON_HOST) -> graph_pb2.GraphDef:
-    """A new GraphDef with the plan's swaps; `graph_def` is left as it was."""
+    """A new GraphDef with the plan's AddN chains and swaps; `graph_def` is left as it was."""
     result = graph_pb2.GraphDef()
     result.CopyFrom(graph_def)
     nodes = {node.name: node for node in result.node}
+    # First the AddN chains (lms_core.add_chains): the plan's swaps and edges may name their adds.
+    apply_add_chains(nodes, result, plan.add_chains)
     swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
     for edge in plan.control_edges:  # the backward branches' order (lms_core.serialize)
         _add_control_input(nodes[edge.after], edge.before)
@@ -71,19 +73,33 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, h
         for swap_in in swap.swap_ins:
             nodes[swap_in.trigger].attr[KEEP_ATTR].b = True
             added.append(_identity(swap_in.name, swap.swap_out, dtype, swap_in_device, controls=[swap_in.trigger]))
+            read_from = swap_in.name
+            if swap.tensor_list is not None:
+                # TensorFlow lowers the gradient loop into Enter/Merge/Switch per loop variable and
+                # puts each Enter on its input's device: fed from the host, the list's loop variable
+                # would live there, and what is left of the list would cross to the device and back on
+                # every iteration. Read through an Identity on the device, it crosses once.
+                read_from = on_device_name(swap_in.name)
+                added.append(_identity(read_from, swap_in.name, dtype, compute_device))
             for consumer in swap_in.consumers:
                 node = nodes[consumer]
                 for position, name in enumerate(node.input):
                     if name == source:
-                        node.input[position] = swap_in.name
+                        node.input[position] = read_from
             if swap_in.arrival:
-                added.extend(_arrival(swap_in.arrival, swap_in.name, dtype, swap.shape, compute_device))
+                arrive = _list_arrival if swap.tensor_list is not None else _arrival
+                added.extend(arrive(swap_in.arrival, swap_in.name, dtype, swap.shape, compute_device))
                 for waiter in swap_in.waiters:
                     _add_control_input(nodes[waiter], swap_in.arrival)
         for waiter in swap.waiters:
             _add_control_input(nodes[waiter], swap.swap_out)
     result.node.extend(added)
     return result
+
+
+def on_device_name(swap_in: str) -> str:
+    """The compute-side Identity a loop accumulator's gradient loop reads its swap-in through."""
+    return f"{swap_in}/on_device"
 
 
 def host_ops(plan: Plan, placement: Placement = Placement.GATED_ON_HOST) -> set[str]:
@@ -113,6 +129,15 @@ def _arrival(name: str, source: str, dtype: int, shape: list[int], device: str) 
     node.attr["Index"].type = tf.int32.as_datatype_enum
     node.attr[KEEP_ATTR].b = True
     return nodes + [node]
+
+
+def _list_arrival(name: str, source: str, dtype: int, shape: list[int], device: str) -> list[node_def_pb2.NodeDef]:
+    """For a loop accumulator (a TensorList, which has no elements to slice): `TensorListLength` on
+    `device`, which reads the list there and allocates one int32."""
+    node = node_def_pb2.NodeDef(name=name, op="TensorListLength", device=device)
+    node.input.append(source)
+    node.attr[KEEP_ATTR].b = True
+    return [node]
 
 
 def _int32_const(name: str, values: list[int], device: str) -> node_def_pb2.NodeDef:

@@ -44,6 +44,22 @@ def estimate_peak(graph_def: graph_pb2.GraphDef, concrete, device_memory_bytes: 
                   host_ops: set[str] = frozenset()) -> PeakEstimate:
     """Peak bytes of `graph_def` (the traced step's, rewritten or not) on a virtual GPU, and whether
     that fits `device_memory_bytes`. `host_ops` (the swap-outs) are placed on the host CPU."""
+    peaks = _peaks(graph_def, concrete, host_ops)
+    device = max(0, int(peaks[GPU][0])) if GPU in peaks else 0
+    host = max(0, int(peaks[CPU][0])) if CPU in peaks else 0  # Grappler reports -1 for "nothing"
+    return PeakEstimate(device_bytes=device, host_bytes=host, fits=device <= device_memory_bytes,
+                        device_memory_bytes=device_memory_bytes)
+
+
+def live_at_peak(graph_def: graph_pb2.GraphDef, concrete) -> dict[str, int]:
+    """The tensors Grappler holds on the virtual GPU at its peak, "op:index" -> bytes: which buffers
+    make the estimate (a check of the simulator's accounting against TensorFlow's)."""
+    peaks = _peaks(graph_def, concrete, frozenset())
+    return {f"{name}:{index}": int(nbytes) for name, index, nbytes, *_ in (peaks[GPU][1] if GPU in peaks else [])}
+
+
+def _peaks(graph_def: graph_pb2.GraphDef, concrete, host_ops: set[str]) -> dict:
+    """Grappler's DeterminePeakMemoryUsage: device -> (peak bytes, live tensors at the peak)."""
     placed = _place(graph_def, concrete, host_ops)
     metagraph = meta_graph_pb2.MetaGraphDef(graph_def=placed)
     fetches = [t.name.rpartition(":")[0] for t in concrete.graph.outputs]
@@ -53,13 +69,9 @@ def estimate_peak(graph_def: graph_pb2.GraphDef, concrete, device_memory_bytes: 
     cluster = grappler_cluster.Cluster(devices=[_device(GPU, "GPU", UNBOUNDED_BYTES),
                                                 _device(CPU, "CPU", UNBOUNDED_BYTES)])
     try:
-        peaks = cluster.DeterminePeakMemoryUsage(item)
+        return cluster.DeterminePeakMemoryUsage(item)
     finally:
         cluster.Shutdown()
-    device = max(0, int(peaks[GPU][0])) if GPU in peaks else 0
-    host = max(0, int(peaks[CPU][0])) if CPU in peaks else 0  # Grappler reports -1 for "nothing"
-    return PeakEstimate(device_bytes=device, host_bytes=host, fits=device <= device_memory_bytes,
-                        device_memory_bytes=device_memory_bytes)
 
 
 def _device(name: str, kind: str, memory: int) -> device_properties_pb2.NamedDevice:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
 from launcher.rank.data.tfrecord import (
     KINDS, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
 )
@@ -23,17 +24,12 @@ NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks")}
 """The arrays an .npz must hold for each kind: the inputs, then the labels."""
 
 
-class ConvertError(Exception):
+class ConvertError(UsageError):
     """Bad input to the converter; printed as it is, exit 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConvertError(f"{message} (see lms-launch tfrecord --help)")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="lms-launch tfrecord", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> UsageParser:
+    p = UsageParser(prog="lms-launch tfrecord", description=__doc__)
     p.add_argument("--kind", required=True, choices=KINDS, help="images (ResNet-50) or volumes (3D U-Net)")
     p.add_argument("--out", required=True, type=Path, help="directory for the .tfrecord files")
     p.add_argument("--shards", type=int, default=1, help="files to deal the samples over; at least the number of "
@@ -192,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_records(args.out, args.kind, inputs, labels, shards=args.shards, prefix=args.prefix)
         except OSError as err:  # not writable, disk full, ...: write_records has removed what it wrote
             raise ConvertError(f"cannot write to --out {args.out}: {err}") from None
-    except ConvertError as err:
+    except UsageError as err:  # the parser's and ours
         print(f"lms-launch tfrecord: error: {err}", file=sys.stderr)
-        return 2
+        return USAGE_STATUS
     except SystemExit as done:  # --help
         return int(done.code or 0)
     report(paths, args.kind, inputs, args.out)

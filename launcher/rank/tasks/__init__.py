@@ -13,6 +13,9 @@ def build_task(recipe: Recipe) -> Task:
     if recipe.model.name == "unet3d":
         from launcher.rank.tasks.unet3d import UNet3DTask
         return UNet3DTask(recipe)
+    if recipe.model.name == "seq2seq":
+        from launcher.rank.tasks.seq2seq import Seq2SeqTask
+        return Seq2SeqTask(recipe)
     raise ValueError(f"model.name: no task for {recipe.model.name!r}")  # config validation stops this earlier
 
 

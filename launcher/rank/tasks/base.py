@@ -54,6 +54,12 @@ class Task(abc.ABC):
         """For volumetric tasks, voxels in one sample (reported as voxels/s); None for images."""
         return None
 
+    def target_tokens(self, labels: tf.Tensor) -> tf.Tensor | None:
+        """For sequence tasks, the real target tokens in a batch's labels, padding left out (reported
+        as tokens/s); None otherwise. A tensor: the loop sums it on the device and reads it once per
+        interval, when it waits for the device anyway."""
+        return None
+
     def batches(self, batch_size: int, rank: int, size: int, device: str) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
         """Training batches for this rank, forever. TFRecord files are opened here, not at the first
         step, so a bad `data.path` fails before training with the reader's message."""

@@ -179,9 +179,10 @@ class LMSConfig:
     fragmentation included (lms_core/memory). `auto`: `bfc` for a step computed on a GPU, or planned
     for one; `live` for a step computed on a CPU, whose simulated trace misses the CPU kernels'
     scratch memory (Eigen's convolution gradients: up to 60% of the real requirement, docs/lms.md).
-    `bfc` is not the default yet: on access-order plans its trace of TensorFlow's buffers holds more
-    than the simulation that made the plan (3D U-Net 192^3 batch 4: 18.38 GiB live against a
-    simulated 14.39 GiB), a disagreement no GPU has settled (docs/lms.md)."""
+    `bfc` is not the default yet: the allocator model and Grappler's estimate, which judges "fits" in
+    `plan` and the bench, disagree on which plans fit (3D U-Net 192^3 at batch 4: the model needs
+    20.13 GiB for the access-order plan of 14.69 GiB live, so `bfc` keeps a distance plan Grappler
+    puts at 16.15 GiB, over 16), and no GPU has said which is right (docs/lms.md)."""
 
     host_memory_ratio: float = 0.8
     """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""

@@ -30,7 +30,9 @@ from lms_core.plan import Plan
 # count together with those freed as its predecessor ends (Grappler's trace does the same), except
 # for an op that started the instant a copy it waited for arrived (a copy is an op of its own), and
 # for a copy back's buffer, allocated once its trigger has ended and freed what it read.
-ALLOC, FREE, ALLOC_AFTER_COPY = 0, 1, 2
+# A buffer allocated after a copy and released at that same instant (a chain of ops that take no
+# time) is released after its allocation, not before: FREE_AFTER_COPY.
+ALLOC, FREE, ALLOC_AFTER_COPY, FREE_AFTER_COPY = 0, 1, 2, 3
 
 
 class SimulationStalled(ValueError):
@@ -51,7 +53,7 @@ class MemoryEvent:
     """One change of device memory, as the simulator applies it (sorted by time, then phase)."""
 
     time: float
-    phase: int  # ALLOC, FREE or ALLOC_AFTER_COPY: the order of events at one instant
+    phase: int  # ALLOC, FREE, ALLOC_AFTER_COPY or FREE_AFTER_COPY: the order of events at one instant
     nbytes: int  # > 0 allocated, < 0 released
     buffer: str  # a tensor ("op:index") or a swap-in (its copy back's device buffer)
     op_index: int  # in `SimulationResult.executed`: the op the replay was running when it recorded the
@@ -190,6 +192,7 @@ class _Replay:
         self.refs, self.nbytes = self._device_readers()
         self.last_end: dict[str, float] = {}
         self.events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
+        self.allocated_at: dict[str, tuple[float, int]] = {}  # buffer -> (time, phase) of its allocation
         self.event_ops: list[int] = []  # for each event, the index in `executed` of the op that recorded it
         self.executed: list[tuple[str, float, float]] = []  # (op, start, end) in the order run
         self.host_events: list[tuple[float, int, int, str]] = []
@@ -266,6 +269,10 @@ class _Replay:
                                     self.structure.position[name], name))
 
     def _event(self, time: float, phase: int, delta: int, buffer: str) -> None:
+        if delta > 0:
+            self.allocated_at[buffer] = (time, phase)
+        elif phase == FREE and self.allocated_at.get(buffer) == (time, ALLOC_AFTER_COPY):
+            phase = FREE_AFTER_COPY
         self.events.append((time, phase, delta, buffer))
         self.event_ops.append(len(self.executed) - 1)  # the op being run (appended as it starts)
 

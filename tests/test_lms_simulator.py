@@ -194,3 +194,32 @@ def test_a_plan_that_deadlocks_names_the_waits_that_hold_it_up():
         simulate(g, Plan(settings={"sync_mode": 1}, swaps=[swap]), unit_costs(g), INFINITE)
     assert stalled.value.waiting_for_copies_out == {"c:0": ["b"]}
     assert stalled.value.parked == {}
+
+
+def test_a_buffer_made_and_released_in_the_instant_a_copy_arrives_is_released_after_it_is_made():
+    """a is swapped out and brought back for gradient_tape/r, a Reshape that takes no time, read by
+    gradient_tape/e, which takes none either. r waits for the copy, so its output is allocated after
+    that instant's frees, and e releases it at that very instant: the release must follow the
+    allocation, or the buffer would count as never released (and a trace of TensorFlow's buffers
+    would keep it for good)."""
+    info = lambda: TensorInfo((1024, 1024), "float32", 4 * MIB)  # noqa: E731
+    ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)]),
+           Op("a", "Relu", inputs=["x:0"], outputs=[info()]),
+           Op("b", "Relu", inputs=["a:0"], outputs=[info()]),
+           Op("loss", "Sum", inputs=["b:0"], outputs=[TensorInfo((), "float32", 4)]),
+           Op("gradient_tape/g", "Mul", inputs=["loss:0"], outputs=[info()]),
+           Op("gradient_tape/r", "Reshape", inputs=["a:0"], outputs=[info()]),
+           Op("gradient_tape/e", "ExpandDims", inputs=["gradient_tape/r:0"], outputs=[info()]),
+           Op("gradient_tape/out", "Mul", inputs=["gradient_tape/e:0", "gradient_tape/g:0"], outputs=[info()])]
+    g = analyzed(Graph(ops, outputs=["loss:0"]))
+    swap = Swap(tensor="a:0", producer_type="Relu", shape=[1024, 1024], dtype="float32", nbytes=4 * MIB,
+                producer_level=g["a"].level, swap_out="lms/swapout_a_0",
+                swap_ins=[SwapIn(name="lms/swapin_a_0_0", trigger="gradient_tape/g",
+                                 trigger_level=g["gradient_tape/g"].level, consumers=["gradient_tape/r"],
+                                 consumer_levels=[g["gradient_tape/r"].level])])
+    costs = {**unit_costs(g), "gradient_tape/r": 0.0, "gradient_tape/e": 0.0}
+    result = simulate(g, Plan(settings={}, swaps=[swap]), costs, LinkRates("slow", MIB, MIB, "test"),
+                      keep_events=True)
+    r_events = [(e.time, e.nbytes) for e in result.memory_events if e.buffer == "gradient_tape/r:0"]
+    assert len(r_events) == 2 and r_events[0][0] == r_events[1][0]  # made and released in one instant
+    assert r_events[0][1] > 0 > r_events[1][1]  # in that order

@@ -8,8 +8,9 @@
 `lms_core.tf` traces and applies; this module decides. `lms.mode` is decided here and nowhere else
 (`tunes`): `auto` tunes the four TFLMS knobs for the target by simulation, and without a target
 (nothing to tune for) the config's own settings are used, as in `manual`. What "fits" means is
-lms_core.fit's (`lms.fit_judge`): every candidate plan, of either strategy, is judged by it, and the
-chosen plan's report carries the allocator's and a planned pool's figures (`PlanReport.memory`).
+lms_core.fit's (`lms.fit_judge`): every candidate plan, of either strategy, is judged by it, and, when
+asked (`lms-launch plan`), the chosen plan's report carries the allocator's and a planned pool's
+figures (`PlanReport.memory`).
 """
 from __future__ import annotations
 
@@ -70,11 +71,14 @@ def tunes(config: LMSConfig, target: Target | None) -> bool:
 
 
 def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_inputs: frozenset[str] = frozenset(),
-               target: Target | None = None) -> Planning:
+               target: Target | None = None, describe_memory: bool = False) -> Planning:
     """Plans `graph` (analysed: categories, levels, regions) for `target`. `data_inputs` names the
     step's batch placeholders, which are swap candidates like forward activations. With
     `lms.serialize_branches` the backward branches are ordered first (lms_core.serialize) and the
-    swaps are planned, and simulated, on the ordered graph, which `Planning.graph` then is."""
+    swaps are planned, and simulated, on the ordered graph, which `Planning.graph` then is. With
+    `describe_memory` (planned for a target), the report carries the chosen plan's device memory as
+    TensorFlow's allocator and a planned pool would need it: another simulation and a bisection
+    (about a second on ResNet-50), which only `lms-launch plan` asks for."""
     traced, edges = graph, []
     # The AddN chains (lms.chain_add_n) come first: swaps are planned on the graph that will run.
     chains = plan_add_chains(graph) if config.chain_add_n else []
@@ -85,7 +89,8 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     if target is None:
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
         return _with_chains(Planning(graph, PlanReport(plan), traced=traced), chains)
-    return _with_chains(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges), chains)
+    return _with_chains(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges,
+                                         describe_memory), chains)
 
 
 def _with_chains(planning: Planning, chains: list) -> Planning:
@@ -97,7 +102,7 @@ def _with_chains(planning: Planning, chains: list) -> Planning:
 
 
 def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
-                     target: Target, traced: Graph, edges: list) -> Planning:
+                     target: Target, traced: Graph, edges: list, describe_memory: bool) -> Planning:
     """The plan of the strategy (or, asked to choose, the better of both) for `target`, replayed."""
     costs, cost_model = op_costs(graph, target)
     device_budget = int(target.device_memory_bytes * config.memory_ratio)
@@ -127,7 +132,7 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
                 f"{other.simulation.step_time_s * 1000:.0f} ms, peak {format_bytes(other.simulation.peak_device_bytes)}")
     report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
                         prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings,
-                        memory=judge.memory(chosen.plan))
+                        memory=judge.memory(chosen.plan) if describe_memory else None)
     return Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
 
 

@@ -168,7 +168,7 @@ def test_the_plan_report_carries_the_live_peak_the_allocator_the_pool_and_the_bo
     g = hole_step()
     target = Target(FAST, PROFILES["v100"], device_memory_bytes=4 * MIB, host_memory_bytes=1 << 30)
     config = LMSConfig(enabled=True, mode="manual", memory_ratio=1.0, fit_judge="bfc")
-    report = plan_graph(g, config, "/device:GPU:0", target=target).report
+    report = plan_graph(g, config, "/device:GPU:0", target=target, describe_memory=True).report
     memory = report.memory
     assert (memory.judge, memory.budget_bytes, memory.live_peak_bytes, memory.bfc_bytes) == (
         "bfc", 4 * MIB, 3 * MIB + 512, 5 * MIB)
@@ -181,6 +181,9 @@ def test_the_plan_report_carries_the_live_peak_the_allocator_the_pool_and_the_bo
     assert data["bfc_bytes"] == 5 * MIB and data["pool_bytes"] == data["lower_bound_bytes"] == 3 * MIB + 512
     assert data["live_peak_bytes"] == 3 * MIB + 512 and data["judge"] == "bfc"
     # Judged by its peak instead, the same step fits the same budget.
-    live = plan_graph(g, dataclasses.replace(config, fit_judge="live"), "/device:GPU:0", target=target).report
+    live = plan_graph(g, dataclasses.replace(config, fit_judge="live"), "/device:GPU:0", target=target,
+                      describe_memory=True).report
+    # Not asked to describe its memory (a rank's planning, a bench probe), a plan carries none.
+    assert plan_graph(g, config, "/device:GPU:0", target=target).report.memory is None
     assert live.memory.judge == "live" and not live.warnings
     assert "fits judged by the simulated peak" in live.memory.describe()

@@ -111,7 +111,7 @@ def make_plan(recipe: Recipe):
         say(line)
     say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if tunes(lms, target) else ""))
     rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=lms, compute_device="/device:GPU:0",
-                               host_device="/device:CPU:0", target=target)
+                               host_device="/device:CPU:0", target=target, describe_memory=True)
     say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
     report = rewritten.report.with_estimate(lms_tf.estimate_rewrite(rewritten, target.device_memory_bytes))
     if rewritten.plan.swaps or rewritten.plan.control_edges:

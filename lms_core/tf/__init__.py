@@ -66,14 +66,14 @@ def plan_step(step, *input_specs, config: LMSConfig, compute_device: str = "/dev
 
 def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/device:GPU:0",
             host_device: str = "/device:CPU:0", target: Target | None = None,
-            placement: Placement = Placement.GATED_ON_HOST) -> RewrittenStep:
+            placement: Placement = Placement.GATED_ON_HOST, describe_memory: bool = False) -> RewrittenStep:
     """The step with its plan applied (planned for `target`; see lms_core.planning for how
-    `lms.mode` is decided). With nothing to swap, the graph is re-imported unchanged.
-    `placement` is for the gating check's negative control only."""
+    `lms.mode` is decided, and what `describe_memory` adds to the report). With nothing to swap,
+    the graph is re-imported unchanged. `placement` is for the gating check's negative control only."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
-    planning = plan_graph(traced.graph, config, compute_device, traced.data_inputs, target)
+    planning = plan_graph(traced.graph, config, compute_device, traced.data_inputs, target, describe_memory)
     return _applied(traced, planning, compute_device, host_device, placement)
 
 

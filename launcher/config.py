@@ -324,9 +324,6 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        if self.model.name == "seq2seq" and self.data.source != "synthetic":
-            raise SettingError("data.source", "seq2seq reads synthetic tokens only for now (lms-launch tfrecord "
-                                              f"writes images and volumes); got {self.data.source!r}")
         if self.logging.skip_steps >= self.train.steps:
             raise SettingError(
                 "logging.skip_steps",

@@ -4,6 +4,8 @@
     lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz      # arrays `volumes`, `masks`
     lms-launch tfrecord --kind images  --out DIR --synthetic 256 --shape 64,64,3 --classes 10
     lms-launch tfrecord --kind volumes --out DIR --synthetic 8 --shape 32,32,32,4 --labels 3
+    lms-launch tfrecord --kind sequences --out DIR --from-npz data.npz    # arrays `sources`, `targets`
+    lms-launch tfrecord --kind sequences --out DIR --synthetic 1024 --shape 24,24 --vocabulary 1000
 
 Exit status 0 when the files are written, 2 for bad input (nothing is written then).
 """
@@ -16,11 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
+from launcher.rank.data.sequences import synthetic_sentences
 from launcher.rank.data.tfrecord import (
     KINDS, SCHEMAS, check_arrays, existing_shards, records_per_shard, write_records,
 )
 
-NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks")}
+NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks"), "sequences": ("sources", "targets")}
 """The arrays an .npz must hold for each kind: the inputs, then the labels."""
 
 
@@ -30,7 +33,8 @@ class ConvertError(UsageError):
 
 def parser() -> UsageParser:
     p = UsageParser(prog="lms-launch tfrecord", description=__doc__)
-    p.add_argument("--kind", required=True, choices=KINDS, help="images (ResNet-50) or volumes (3D U-Net)")
+    p.add_argument("--kind", required=True, choices=KINDS,
+                   help="images (ResNet-50), volumes (3D U-Net) or sequences (Seq2Seq sentence pairs)")
     p.add_argument("--out", required=True, type=Path, help="directory for the .tfrecord files")
     p.add_argument("--shards", type=int, default=1, help="files to deal the samples over; at least the number of "
                                                          "ranks lets each rank read only its own files")
@@ -38,10 +42,13 @@ def parser() -> UsageParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-npz", metavar="FILE", type=Path, help="NumPy .npz with images+labels or volumes+masks")
     source.add_argument("--synthetic", type=int, metavar="N", help="N learnable synthetic samples")
-    p.add_argument("--shape", help="with --synthetic: one sample's shape, e.g. 64,64,3 or 32,32,32,4")
+    p.add_argument("--shape", help="with --synthetic: one sample's shape, e.g. 64,64,3 or 32,32,32,4; for "
+                                   "sequences the source and target lengths S,T (model.input_shape)")
     p.add_argument("--classes", type=int, help="with --synthetic images: number of classes (default 10)")
     p.add_argument("--labels", type=int, help="with --synthetic volumes: binary label maps per voxel, nested "
                                               "like BraTS's tumour regions (default 3)")
+    p.add_argument("--vocabulary", type=int, help="with --synthetic sequences: token ids 0 .. V-1, model.vocabulary "
+                                                  "(default 1000; 0 and 1 are padding and the start token)")
     p.add_argument("--seed", type=int, help="with --synthetic: random seed (default 0)")
     return p
 
@@ -85,7 +92,10 @@ def synthetic(kind: str, count: int, shape: list[int], classes: int, seed: int) 
     noise. Images: the class is the brightness bin (`classes` bins, equally likely). Volumes: `classes`
     binary label maps from the mean of each voxel's neighbourhood in the first channel: map k marks
     the top 2^-(k+1) of those means (a half, a quarter, ...), so each map lies inside the one before,
-    like BraTS's enhancing tumour inside the tumour core inside the whole tumour."""
+    like BraTS's enhancing tumour inside the tumour core inside the whole tumour. Sequences: `classes`
+    is the vocabulary, and the target is the source reversed (`synthetic_sentences`)."""
+    if kind == "sequences":
+        return synthetic_sentences(count, shape, classes, seed)
     rng = np.random.default_rng(seed)
     if kind == "images":
         brightness = rng.random(count, dtype=np.float32)
@@ -118,7 +128,8 @@ def samples_from(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
     """The arrays to write, from --from-npz or --synthetic, checked against the schema."""
     if args.from_npz:
         given = [flag for flag, value in (("--shape", args.shape), ("--classes", args.classes),
-                                          ("--labels", args.labels), ("--seed", args.seed)) if value is not None]
+                                          ("--labels", args.labels), ("--vocabulary", args.vocabulary),
+                                          ("--seed", args.seed)) if value is not None]
         if given:
             raise ConvertError(f"{', '.join(given)} only apply with --synthetic")
         inputs, labels = load_npz(args.from_npz, args.kind)
@@ -132,12 +143,26 @@ def samples_from(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def synthetic_settings(args: argparse.Namespace) -> tuple[int, list[int], int, int]:
-    """(count, shape, classes for images or label maps for volumes, seed) from the flags."""
+    """(count, shape, classes for images, label maps for volumes or vocabulary for sequences, seed)
+    from the flags."""
     if args.synthetic < 1:
         raise ConvertError(f"--synthetic must be >= 1; got {args.synthetic}")
     if not args.shape:
-        raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images) or 32,32,32,4 (volumes)")
+        raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images), 32,32,32,4 (volumes) or "
+                           "24,24 (sequences)")
     shape = parse_shape(args.shape, args.kind)
+    wrong_flag = {"images": ("--vocabulary", "--labels"), "volumes": ("--vocabulary", "--classes"),
+                  "sequences": ("--classes", "--labels")}[args.kind]
+    for flag in wrong_flag:
+        if getattr(args, flag[2:]) is not None:
+            raise ConvertError(f"{flag} does not apply to {args.kind}; images take --classes, volumes --labels, "
+                               f"sequences --vocabulary")
+    if args.kind == "sequences":
+        vocabulary = 1000 if args.vocabulary is None else args.vocabulary
+        if vocabulary < 3:
+            raise ConvertError(f"--vocabulary must be >= 3 (ids 0 and 1 are padding and the start token); got "
+                               f"{vocabulary}")
+        return args.synthetic, shape, vocabulary, 0 if args.seed is None else args.seed
     if args.kind == "images":
         if args.labels is not None:
             raise ConvertError("--labels is for volumes (binary label maps per voxel); images take --classes")
@@ -170,10 +195,14 @@ def check_out(args: argparse.Namespace, samples: int) -> None:
                            f"old and new files: choose another --out or --prefix, or remove them")
 
 
-def report(paths: list[Path], kind: str, inputs: np.ndarray, out: Path) -> None:
+def report(paths: list[Path], kind: str, inputs: np.ndarray, labels: np.ndarray, out: Path) -> None:
     counts = records_per_shard(len(inputs), len(paths))
     sizes = [path.stat().st_size for path in paths]
-    print(f"wrote {len(inputs)} {kind} ({list(inputs.shape[1:])}) to {len(paths)} file(s), {sum(sizes):,} bytes:")
+    if kind == "sequences":
+        sample = f"source up to {inputs.shape[1]} tokens, target up to {labels.shape[1]}"
+    else:
+        sample = str(list(inputs.shape[1:]))
+    print(f"wrote {len(inputs)} {kind} ({sample}) to {len(paths)} file(s), {sum(sizes):,} bytes:")
     for path, count, size in zip(paths, counts, sizes):
         print(f"  {path}  {count} records  {size:,} bytes")
     print(f"train on them with: --set data.source=tfrecord --set data.path={out}")
@@ -193,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_STATUS
     except SystemExit as done:  # --help
         return int(done.code or 0)
-    report(paths, args.kind, inputs, args.out)
+    report(paths, args.kind, inputs, labels, args.out)
     return 0
 
 

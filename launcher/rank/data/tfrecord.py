@@ -11,6 +11,8 @@ input pipeline, not the model, the thing being measured):
               mask      bytes        uint8, D*H*W*L values, row-major (L fastest): L = model.labels
                                      binary label maps, each voxel 0 or 1 in each
               shape     int64 list   [D, H, W, C] (the volume's; the mask's L follows from its length)
+    sequences source    int64 list   the source sentence's token ids, no padding (launcher.rank.data.sequences)
+              target    int64 list   the target sentence's token ids, no padding
 
 Files are named `<prefix>-00000-of-00004.tfrecord`; samples are dealt round-robin over the shards.
 docs/data.md is the user-facing version of this page.
@@ -25,6 +27,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from launcher.rank.data.sequences import (
+    check_first_sentences, check_sentences, sentence_decoder, sentence_features,
+)
+
 if TYPE_CHECKING:  # TensorFlow is imported lazily: `lms-launch --help` and recipe checks stay fast.
     import tensorflow as tf
 
@@ -38,20 +44,24 @@ class RecordSchema:
     input_dtype: type
     label_key: str
     layout: str
-    """One sample's axes, as users write them in messages: `[H, W, C]` or `[D, H, W, C]`."""
+    """One sample's axes, as users write them in messages: `[H, W, C]`, `[D, H, W, C]`, or for
+    sentences the two lengths `[S, T]`."""
+    shape_key: str | None = "shape"
+    """The feature holding the sample's shape; sentences have none (their length is their list's)."""
 
     @property
     def sample_rank(self) -> int:
         return self.layout.count(",") + 1
 
     @property
-    def features(self) -> tuple[str, str, str]:
-        return (self.input_key, self.label_key, "shape")
+    def features(self) -> tuple[str, ...]:
+        return (self.input_key, self.label_key) + ((self.shape_key,) if self.shape_key else ())
 
 
 SCHEMAS = {
     "images": RecordSchema("images", "image", np.uint8, "label", "[H, W, C]"),
     "volumes": RecordSchema("volumes", "volume", np.float32, "mask", "[D, H, W, C]"),
+    "sequences": RecordSchema("sequences", "source", np.int64, "target", "[S, T]", shape_key=None),
 }
 KINDS = tuple(SCHEMAS)
 BRATS_LABELS = (1, 2, 4)  # BraTS: necrotic and non-enhancing core, oedema, enhancing tumour (0: background)
@@ -68,8 +78,12 @@ def schema_of(kind: str) -> RecordSchema:
 
 
 def check_arrays(kind: str, inputs: np.ndarray, labels: np.ndarray) -> None:
-    """Raises ValueError naming what is wrong with `inputs` ([N, *sample]) and `labels` for `kind`."""
+    """Raises ValueError naming what is wrong with `inputs` ([N, *sample]) and `labels` for `kind`
+    (for sequences: padded source sentences [N, S] and target sentences [N, T])."""
     schema = schema_of(kind)
+    if kind == "sequences":
+        check_sentences(inputs, labels)
+        return
     batch_layout = "[N, " + schema.layout[1:]
     if inputs.ndim != schema.sample_rank + 1:
         hint = " (add a channel axis with x[..., None])" if inputs.ndim == schema.sample_rank else ""
@@ -212,6 +226,9 @@ def _encode(kind: str, sample: np.ndarray, label: np.ndarray | np.integer) -> by
         return tf.train.Feature(bytes_list=tf.train.BytesList(value=[data]))
 
     schema = SCHEMAS[kind]
+    if kind == "sequences":
+        return tf.train.Example(features=tf.train.Features(feature=sentence_features(sample, label))
+                                ).SerializeToString()
     feature = {schema.input_key: raw(sample, schema.input_dtype), "shape": int64s(sample.shape)}
     feature[schema.label_key] = int64s([label]) if kind == "images" else raw(label, np.uint8)
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
@@ -245,7 +262,9 @@ def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, bat
     """Batches `(x, y)` for one rank of `size`, forever: x float32 [batch, *input_shape] (images scaled
     to [0, 1], volumes as stored); y int32 [batch] for images, whose labels lie in [0, `classes`)
     (model.classes), or float32 0/1 [batch, D, H, W, `classes`] for volumes, whose masks hold
-    `classes` binary label maps (model.labels).
+    `classes` binary label maps (model.labels). For sequences, input_shape is [S, T] and `classes`
+    the vocabulary: x int32 [batch, S + T] (source, then the decoder's input), y int32 [batch, T]
+    (the target), both padded with 0 (launcher.rank.data.sequences).
 
     Sharding: with at least `size` files, rank r reads files r, r+size, ... (no rank reads bytes it
     throws away) and shuffles their order every epoch; otherwise every rank reads all files in order
@@ -316,6 +335,9 @@ def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_
         guess = f"; they look like {others[0]}" if others else ""
         raise ValueError(f"data.path: records in {path!r} lack feature(s) {', '.join(missing)} that {schema.kind} "
                          f"need (they have: {', '.join(sorted(features))}){guess}")
+    if schema.kind == "sequences":
+        check_first_sentences(features, input_shape, classes, path)
+        return
     shape = list(features["shape"].int64_list.value)
     if shape != list(input_shape):
         raise ValueError(f"data.path: records in {path!r} have shape {shape}; model.input_shape is "
@@ -337,6 +359,8 @@ def _batch_decoder(schema: RecordSchema, input_shape: list[int], classes: int):
     """A function from a batch of serialized records to `(x, y)`, checking every record on the way."""
     import tensorflow as tf
 
+    if schema.kind == "sequences":
+        return sentence_decoder(input_shape, classes)
     spec = {
         schema.input_key: tf.io.FixedLenFeature([], tf.string),
         "shape": tf.io.FixedLenFeature([len(input_shape)], tf.int64),

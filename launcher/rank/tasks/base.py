@@ -12,7 +12,7 @@ from launcher.config import Recipe
 class Task(abc.ABC):
     """A model, its inputs and its loss. The loop in `launcher.rank.training` drives any task."""
 
-    #: How samples are stored in TFRecord files (see docs/data.md): `images` or `volumes`.
+    #: How samples are stored in TFRecord files (see docs/data.md): `images`, `volumes` or `sequences`.
     record_kind: str
 
     def __init__(self, recipe: Recipe):
@@ -23,7 +23,8 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def label_count(self) -> int:
         """What TFRecord labels are checked against: the classes (images, `model.classes`) or the
-        binary label maps per voxel (volumes, `model.labels`)."""
+        binary label maps per voxel (volumes, `model.labels`) or the token ids (sequences,
+        `model.vocabulary`)."""
 
     @abc.abstractmethod
     def build_model(self) -> "tf.keras.Model":

@@ -20,9 +20,9 @@ import keras
 import tensorflow as tf
 from keras import layers
 
+from launcher.rank.data.sequences import PAD, START  # token ids with a meaning; words are 2 .. vocabulary-1
 from launcher.rank.tasks.base import Task
 
-PAD, START = 0, 1  # token ids with a meaning; words are 2 .. vocabulary-1
 
 
 @keras.saving.register_keras_serializable(package="lms_launch")
@@ -156,8 +156,3 @@ class Seq2SeqTask(Task):
     def smallest_input_shape(self) -> list[int]:
         # The same layers and loops under the same names; only the loops' trip counts shrink.
         return [4, 4]
-
-    def batches(self, batch_size: int, rank: int, size: int, device: str):
-        if self.recipe.data.source != "synthetic":
-            raise ValueError("data.source: seq2seq reads synthetic tokens only (TFRecord sequences are not written yet)")
-        return super().batches(batch_size, rank, size, device)

@@ -187,3 +187,23 @@ def test_the_plan_report_carries_the_live_peak_the_allocator_the_pool_and_the_bo
     assert plan_graph(g, config, "/device:GPU:0", target=target).report.memory is None
     assert live.memory.judge == "live" and not live.warnings
     assert "fits judged by the simulated peak" in live.memory.describe()
+
+
+def test_access_order_plans_again_for_fewer_live_bytes_when_the_allocator_refuses_its_plan():
+    """hole_training_step, budget 4 MiB, the access-order planner (which swaps only what the budget
+    of live bytes forces). By the peak nothing must go: 3 MiB + 516 B are live at most. The allocator
+    needs 5 MiB for that (the previous tuner test, by hand), 1 MiB over, so the planner plans again
+    for 4 - 1 = 3 MiB of live bytes: that forces b out (the only tensor a backward op reads after a
+    gap), and swapped, b's chunk merges with a's before c's request, so the allocator needs 3 MiB."""
+    g = hole_training_step()
+    target = Target(FAST, PROFILES["v100"], device_memory_bytes=4 * MIB, host_memory_bytes=1 << 30)
+    config = LMSConfig(enabled=True, strategy="access-order", memory_ratio=1.0, min_tensor_bytes=MIB)
+
+    by_peak = plan_graph(g, dataclasses.replace(config, fit_judge="live"), "/device:GPU:0", target=target,
+                         describe_memory=True).report
+    assert by_peak.plan.swaps == [] and by_peak.memory.bfc_bytes == 5 * MIB
+    by_allocator = plan_graph(g, dataclasses.replace(config, fit_judge="bfc"), "/device:GPU:0", target=target,
+                              describe_memory=True).report
+    assert [swap.tensor for swap in by_allocator.plan.swaps] == ["b:0"]
+    assert "planned for 3.00 MiB of live bytes so that the BFC requirement fits" in by_allocator.tuning
+    assert by_allocator.memory.bfc_bytes == 3 * MIB and by_allocator.memory.bfc_fits

@@ -402,6 +402,8 @@ def test_six_steps_equal_three_steps_then_resume_for_three(tmp_path, ranks, sour
 def non_trainable_names(model_path) -> set[str]:
     import keras
 
+    import launcher.rank.tasks.unet3d  # noqa: F401  (registers the model's upsampling layer with Keras)
+
     model = keras.saving.load_model(model_path)
     trainable = {id(v) for v in model.trainable_variables}
     return {v.path for v in model.variables if id(v) not in trainable}
@@ -411,6 +413,8 @@ def check_trained_model(run_dir, summary: dict, ranks: int) -> None:
     """RUN_DIR/model.keras loads with keras.saving.load_model and holds the final weights: every
     rank hashed its weights (after the batch-norm averaging) into summary.json."""
     import keras
+
+    import launcher.rank.tasks.unet3d  # noqa: F401  (registers the model's upsampling layer with Keras)
 
     assert summary["model_file"] == "model.keras"
     model = keras.saving.load_model(run_dir / summary["model_file"])

@@ -130,6 +130,8 @@ def final_weights(run_dir) -> list:
     """The trained model rank 0 saved (summary.json names it), as arrays in the model's order."""
     import keras
 
+    import launcher.rank.tasks.unet3d  # noqa: F401  (registers the model's upsampling layer with Keras)
+
     summary = json.loads((run_dir / "summary.json").read_text())
     return [v.numpy() for v in keras.saving.load_model(run_dir / summary["model_file"]).weights]
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from launcher.rank.tasks.unet3d import LEAKY_SLOPE, NORM_EPSILON, UNet3DTask, instance_norm, soft_dice_loss, unet3d
+from launcher.rank.tasks.unet3d import (
+    LEAKY_SLOPE, NORM_EPSILON, NearestUpsampling3D, UNet3DTask, instance_norm, soft_dice_loss, unet3d,
+)
 from launcher.recipe import load_recipe
 from tests.fixtures import RECIPES
 
@@ -99,6 +101,40 @@ def test_deep_supervision_sums_upsampled_level_outputs_into_the_logits():
     assert logits.dtype == np.float32 and logits.shape == (1, 16, 16, 16, 3)
 
 
+def test_nearest_upsampling_is_keras_s_and_its_gradient_one_pool_of_the_cubes_sums():
+    """Outputs equal to Keras's UpSampling3D(2) exactly; the gradient of sum(w * up(x)) is, for each
+    input voxel, the sum of w over its 2x2x2 cube (by hand in NumPy), as Keras's own gradient says;
+    and TensorFlow computes the upsampling with one op and its gradient with one AvgPool3D and no
+    Sum (Keras's gradient is a chain of 12 ops)."""
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(2, 3, 4, 5, 6)).astype(np.float32))
+    w = tf.constant(rng.normal(size=(2, 6, 8, 10, 6)).astype(np.float32))
+    ours, keras_s = NearestUpsampling3D(), keras.layers.UpSampling3D(2)
+    np.testing.assert_array_equal(ours(x).numpy(), keras_s(x).numpy())
+    assert ours.compute_output_shape((None, 3, None, 5, 6)) == (None, 6, None, 10, 6)
+
+    def gradient(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(w * layer(x))
+        return tape.gradient(loss, x).numpy()
+
+    cube_sums = w.numpy().reshape(2, 3, 2, 4, 2, 5, 2, 6).sum(axis=(2, 4, 6))
+    np.testing.assert_allclose(gradient(ours), cube_sums, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gradient(keras_s), cube_sums, rtol=1e-6, atol=1e-6)
+
+    @tf.function
+    def backward(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(w * ours(x))
+        return tape.gradient(loss, x)
+
+    ops = [op.type for op in backward.get_concrete_function(x, w).graph.get_operations()]
+    assert ops.count("AvgPool3DGrad") == 1 and ops.count("AvgPool3D") == 1
+    assert ops.count("Sum") == 1  # the loss's reduce_sum; none in the upsampling's gradient
+
+
 def test_the_soft_dice_loss_follows_its_formula():
     rng = np.random.default_rng(2)
     labels = rng.integers(0, 2, size=(2, 3, 4, 5, 3)).astype(np.float32)
@@ -171,7 +207,9 @@ def test_the_smallest_input_builds_the_same_ops_under_the_same_names():
     assert twin - op_names(recipe_overrides + shape(4))
 
 
-def test_the_trained_model_file_loads_without_custom_objects_and_holds_the_weights(tmp_path):
+def test_the_trained_model_file_loads_and_holds_the_weights(tmp_path):
+    """The upsampling layer is registered with Keras (package lms_launch): a program that imports
+    launcher.rank.tasks.unet3d loads the file without passing custom_objects."""
     model = unet3d([8, 8, 8, 2], labels=2, levels=2, base_filters=2)
     x = np.random.default_rng(4).normal(size=(1, 8, 8, 8, 2)).astype(np.float32)
     model(x, training=True)  # advances the dropout layers' seed states

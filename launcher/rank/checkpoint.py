@@ -441,7 +441,8 @@ def resume_point(config: CheckpointConfig, model, optimizer, ctx: RankContext, t
 
 def save_trained_model(model, run_dir: str | Path) -> Path:
     """Writes the trained model in Keras format to RUN_DIR/model.keras (via a temporary folder and a
-    rename, so a model.keras that exists is whole). Load it with keras.saving.load_model."""
+    rename, so a model.keras that exists is whole). Load it with keras.saving.load_model, after importing
+    the task's module where the model has layers of its own (launcher.rank.tasks.unet3d, .seq2seq)."""
     run_dir = Path(run_dir)
     temp = run_dir / f".{TRAINED_MODEL_FILE}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)

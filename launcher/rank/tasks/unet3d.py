@@ -8,7 +8,8 @@ and channel over the volume, gamma and beta per channel) -> LeakyReLU(0.3).
 - Encoder, `levels` levels with base_filters x 2^l filters (16 ... 256 in the paper): level l's
   input block is 3x3x3 (stride 2 below level 0: strided convolutions, no pooling); its context
   module is block -> SpatialDropout3D(dropout) -> block; the level's output is their sum (residual).
-- Decoder, levels `levels`-2 down to 0: UpSampling3D(2) (nearest neighbour) -> 3x3x3 block ->
+- Decoder, levels `levels`-2 down to 0: nearest-neighbour upsampling by 2 (`NearestUpsampling3D`,
+  below: Keras's UpSampling3D with a leaner gradient) -> 3x3x3 block ->
   concatenate(the encoder's output at this level, the upsampled) -> 3x3x3 block -> 1x1x1 block.
 - Deep supervision: at decoder levels 2, 1 and 0 (those there are) a 1x1x1 block with `labels`
   filters; o = up(seg2); o = up(o + seg1); o = o + seg0: the model's output, one logit per label.
@@ -40,9 +41,45 @@ SUPERVISED_LEVELS = 3  # deep supervision at decoder levels 2, 1 and 0
 def instance_norm(name: str) -> layers.Layer:
     """Instance normalization: group normalization with one group per channel normalises each
     sample's channel over D, H and W, with a learned gamma and beta per channel (checked against a
-    hand computation in tests/test_unet3d.py). Keras's own layer, so `model.keras` loads without
-    custom objects; it computes the statistics in float32 under mixed precision."""
+    hand computation in tests/test_unet3d.py). Keras's own layer; it computes the statistics in
+    float32 under mixed precision."""
     return layers.GroupNormalization(groups=-1, epsilon=NORM_EPSILON, name=name)
+
+
+CUBE = [1, 2, 2, 2, 1]  # a 2x2x2 window and stride over D, H and W (NDHWC)
+
+
+def upsample_nearest(x: tf.Tensor) -> tf.Tensor:
+    """Nearest-neighbour upsampling by 2 of x [B, D, H, W, C], as one op whose gradient is one op.
+
+    The op is the gradient of a 2x2x2 average pool, which spreads each value over its cube divided
+    by 8: given 8x, every voxel of the cube gets x exactly (scaling by a power of two is exact).
+    TensorFlow's gradient of it is the average pool itself, so the gradient of the upsampling is
+    that pool times 8: each input voxel gets the sum of its cube's 8 output gradients.
+
+    Why not Keras's UpSampling3D: it repeats along one axis at a time, and TensorFlow's gradient of
+    that is 12 ops (per axis a reshape, a reshape, a sum, a reshape), all near-instant, so Grappler's
+    memory estimate and lms-launch's simulator hold every intermediate of the chain at once: at 320^3
+    the incoming gradient (3.91 GiB), its reshape (3.91 GiB) and the rest of the chain (7.8 GiB)
+    beside the convolution gradients around it made a peak of 15.7 GiB that no swap could move
+    (2026-11-25). Here the forward pass allocates the output and an eighth of it, the backward pass
+    an eighth twice (the pool, then the scaling)."""
+    shape = tf.shape(x, out_type=tf.int32) * tf.constant(CUBE, tf.int32)
+    return tf.raw_ops.AvgPool3DGrad(orig_input_shape=shape, grad=x * tf.constant(8, x.dtype), ksize=CUBE,
+                                    strides=CUBE, padding="VALID", data_format="NDHWC")
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class NearestUpsampling3D(layers.Layer):
+    """Keras's `UpSampling3D(2)` (channels last) as `upsample_nearest` computes it: the same outputs
+    exactly, gradients equal up to the order of an 8-term float sum."""
+
+    def call(self, inputs):
+        return upsample_nearest(inputs)
+
+    def compute_output_shape(self, input_shape):
+        b, d, h, w, c = input_shape
+        return (b, *(None if size is None else 2 * size for size in (d, h, w)), c)
 
 
 def unet3d(input_shape: list[int], labels: int = 3, levels: int = 5, base_filters: int = 16,
@@ -68,7 +105,7 @@ def unet3d(input_shape: list[int], labels: int = 3, levels: int = 5, base_filter
 
     segmentations = {}
     for level in reversed(range(levels - 1)):
-        up = layers.UpSampling3D(2, name=f"dec{level}_up")(x)
+        up = NearestUpsampling3D(name=f"dec{level}_up")(x)
         up = block(up, filters[level], f"dec{level}_upconv")
         x = layers.Concatenate(name=f"dec{level}_concat")([skips[level], up])
         x = block(x, filters[level], f"dec{level}_loc1")
@@ -79,7 +116,7 @@ def unet3d(input_shape: list[int], labels: int = 3, levels: int = 5, base_filter
     deepest = max(segmentations)
     out = segmentations[deepest]
     for level in range(deepest, 0, -1):  # o = up(seg2); o = up(o + seg1); o = o + seg0
-        out = layers.UpSampling3D(2, name=f"seg{level}_up")(out)
+        out = NearestUpsampling3D(name=f"seg{level}_up")(out)
         # The last sum is the output: float32 logits under mixed precision too.
         last = dict(name="logits", dtype="float32") if level == 1 else dict(name=f"seg{level - 1}_sum")
         out = layers.Add(**last)([out, segmentations[level - 1]])

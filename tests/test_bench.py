@@ -321,6 +321,14 @@ def test_a_probe_command_and_environment(tmp_path):
     assert probe_command(setting, "none", 240, tmp_path / "p")[-1] == "lms.enabled=false"
     assert load_recipe(RECIPES / "unet3d.yaml", entries).model.input_shape == [240, 240, 240, 4]
     assert probe_environment(setting)["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "48"
+    # TensorFlow's out-of-memory warnings stay visible whatever level the user set, as the judge reads them.
+    for user, probe in (("3", "1"), ("2", "1"), ("0", "0"), (None, "1")):
+        with pytest.MonkeyPatch.context() as patch:
+            if user is None:
+                patch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+            else:
+                patch.setenv("TF_CPP_MIN_LOG_LEVEL", user)
+            assert probe_environment(setting)["TF_CPP_MIN_LOG_LEVEL"] == probe
     crashed = ("W bfc_allocator.cc:497] Allocator (bfc_cpu_allocator_for_gpu) ran out of memory trying to allocate "
                "16B (rounded to 256)requested by op mul_2\nSegmentation fault")
     assert out_of_memory(crashed).startswith("ran out of memory trying to allocate 16B")

@@ -100,7 +100,12 @@ def probe_command(setting: RunSetting, key: str, size: int, run_dir: Path) -> li
 
 def probe_environment(setting: RunSetting) -> dict[str, str]:
     environment = dict(os.environ)
-    environment.setdefault(env.TF_CPP_MIN_LOG_LEVEL, "1")
+    # TensorFlow reports running out of memory as warnings ("ran out of memory trying to allocate",
+    # "OOM when allocating"), and an allocation failing in some CPU kernels then crashes the process:
+    # the warnings are how a probe tells that crash from another. A user's level 2 or 3 would hide
+    # them, so at most 1 here (2026-11-25: at level 2 a U-Net probe's OOM crash failed the bench).
+    level = environment.get(env.TF_CPP_MIN_LOG_LEVEL, "1")
+    environment[env.TF_CPP_MIN_LOG_LEVEL] = level if level in ("0", "1") else "1"
     environment[env.PYTHONUNBUFFERED] = "1"
     if not setting.on_gpu and setting.device_memory_bytes:
         environment[env.TF_CPU_BFC_MEM_LIMIT_IN_MB] = str(max(1, setting.device_memory_bytes >> 20))

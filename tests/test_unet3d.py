@@ -135,6 +135,26 @@ def test_nearest_upsampling_is_keras_s_and_its_gradient_one_pool_of_the_cubes_su
     assert ops.count("Sum") == 1  # the loss's reduce_sum; none in the upsampling's gradient
 
 
+def test_grappler_sizes_the_upsampled_tensor():
+    """The bench's and `plan`'s memory figures are Grappler's: its shape inference must know the
+    upsampling's output, or its estimate counts that tensor (the largest of a decoder level) as
+    nothing. TensorFlow's Grappler item is asked directly."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow.python.grappler import item as grappler_item
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(NearestUpsampling3D()(x))
+
+    concrete = step.get_concrete_function(tf.TensorSpec([1, 3, 4, 5, 6], tf.float32))
+    metagraph = meta_graph_pb2.MetaGraphDef(graph_def=concrete.graph.as_graph_def())
+    metagraph.collection_def["train_op"].node_list.value.extend([concrete.graph.outputs[0].op.name])
+    properties = grappler_item.Item(metagraph).GetOpProperties()
+    [upsampling] = [name for name in properties if name.endswith("AvgPool3DGrad")]
+    [output] = properties[upsampling]
+    assert [dim.size for dim in output.shape.dim] == [1, 6, 8, 10, 6]
+
+
 def test_the_soft_dice_loss_follows_its_formula():
     rng = np.random.default_rng(2)
     labels = rng.integers(0, 2, size=(2, 3, 4, 5, 3)).astype(np.float32)

@@ -64,7 +64,12 @@ def upsample_nearest(x: tf.Tensor) -> tf.Tensor:
     beside the convolution gradients around it made a peak of 15.7 GiB that no swap could move
     (2026-11-25). Here the forward pass allocates the output and an eighth of it, the backward pass
     an eighth twice (the pool, then the scaling)."""
-    shape = tf.shape(x, out_type=tf.int32) * tf.constant(CUBE, tf.int32)
+    if x.shape.is_fully_defined():
+        # A constant: Grappler's shape inference cannot evaluate a computed shape, and its memory
+        # estimate would size the output as nothing (measured: every dimension unknown).
+        shape = tf.constant([size * factor for size, factor in zip(x.shape.as_list(), CUBE)], tf.int32)
+    else:  # Keras's symbolic build, batch unknown
+        shape = tf.shape(x, out_type=tf.int32) * tf.constant(CUBE, tf.int32)
     return tf.raw_ops.AvgPool3DGrad(orig_input_shape=shape, grad=x * tf.constant(8, x.dtype), ksize=CUBE,
                                     strides=CUBE, padding="VALID", data_format="NDHWC")
 

@@ -51,9 +51,10 @@ def peak(row: dict | None) -> str:
 
     if row is None:
         return "not probed"
-    if row["fits"] != "True":
-        return "out of memory" if row.get("peak_bytes") in ("", None) else f"{format_bytes(int(row['peak_bytes']))} (over)"
-    return format_bytes(int(row["peak_bytes"]))
+    if not row.get("peak_bytes"):  # the run judge has no peak for a step that ran out of memory
+        return "out of memory"
+    text = format_bytes(int(row["peak_bytes"]))
+    return text if row["fits"] == "True" else f"{text} (over)"
 
 
 def main() -> int:

@@ -30,13 +30,15 @@ def bfc_judge(graph: Graph, device_budget: int) -> FitJudge:
     return FitJudge("bfc", device_budget, 1 << 40, graph, unit_costs(graph), FAST)
 
 
+def out(nbytes: int) -> list[TensorInfo]:
+    """One float32 output of `nbytes`."""
+    return [TensorInfo((nbytes // 4,), "float32", nbytes)]
+
+
 def hole_step() -> Graph:
     """a and b (1 MiB each) are made; a is read by d and then dropped, leaving a 1 MiB hole below b;
     c (2 MiB) is made while b is still read. e stands between d and c so that a is released before
     c is allocated (the same instant would allocate c first). MatMul and Fill write no input in place."""
-    def out(nbytes: int) -> list[TensorInfo]:
-        return [TensorInfo((nbytes // 4,), "float32", nbytes)]
-
     ops = [Op("a", "Fill", outputs=out(MIB)),
            Op("b", "Fill", outputs=out(MIB)),
            Op("d", "MatMul", inputs=["a:0"], outputs=out(256)),
@@ -109,9 +111,6 @@ def test_the_allocator_judge_still_refuses_a_simulated_peak_over_the_budget():
 def hole_training_step() -> Graph:
     """hole_step with a backward pass: b (1 MiB) is read early by f and again only by the last
     gradient op, so it may be swapped; `wait` (no output) lets a's release come before c's request."""
-    def out(nbytes: int) -> list[TensorInfo]:
-        return [TensorInfo((nbytes // 4,), "float32", nbytes)]
-
     ops = [Op("a", "Fill", outputs=out(MIB)),
            Op("b", "Fill", outputs=out(MIB)),
            Op("f", "MatMul", inputs=["b:0"], outputs=out(256)),

@@ -73,7 +73,8 @@ def test_a_first_record_the_recipe_cannot_hold_fails_at_once(tmp_path, shape, vo
 
 @pytest.mark.parametrize("later_source, later_target, message", [
     ([5, 6, 7, 8, 9], [9, 0, 0], "source sentences of 3 to 5 tokens; model.input_shape allows 1 to 4 (S)"),
-    ([5, 0, 0, 0, 0], [9, 12, 0], "target words must be in [2, model.vocabulary = 10); a batch has target tokens from 5 to 12"),
+    ([5, 0, 0, 0, 0], [9, 12, 0],
+     "target words must be in [2, model.vocabulary = 10); a batch has target tokens from 5 to 12"),
 ])
 def test_a_later_record_the_recipe_cannot_hold_stops_training(tmp_path, later_source, later_target, message):
     sources = np.array([[5, 6, 7, 0, 0], later_source])

@@ -25,6 +25,8 @@ from launcher.rank.data.tfrecord import (
 
 NPZ_ARRAYS = {"images": ("images", "labels"), "volumes": ("volumes", "masks"), "sequences": ("sources", "targets")}
 """The arrays an .npz must hold for each kind: the inputs, then the labels."""
+LABEL_FLAGS = {"images": "--classes", "volumes": "--labels", "sequences": "--vocabulary"}
+"""The flag that sizes each kind's synthetic labels: classes, binary label maps, or token ids."""
 
 
 class ConvertError(UsageError):
@@ -151,12 +153,10 @@ def synthetic_settings(args: argparse.Namespace) -> tuple[int, list[int], int, i
         raise ConvertError("--synthetic needs --shape, e.g. --shape 64,64,3 (images), 32,32,32,4 (volumes) or "
                            "24,24 (sequences)")
     shape = parse_shape(args.shape, args.kind)
-    wrong_flag = {"images": ("--vocabulary", "--labels"), "volumes": ("--vocabulary", "--classes"),
-                  "sequences": ("--classes", "--labels")}[args.kind]
-    for flag in wrong_flag:
-        if getattr(args, flag[2:]) is not None:
-            raise ConvertError(f"{flag} does not apply to {args.kind}; images take --classes, volumes --labels, "
-                               f"sequences --vocabulary")
+    for kind, flag in LABEL_FLAGS.items():
+        if kind != args.kind and getattr(args, flag[2:]) is not None:
+            raise ConvertError(f"{flag} does not apply to {args.kind}; " + ", ".join(
+                f"{other} take {other_flag}" for other, other_flag in LABEL_FLAGS.items()))
     if args.kind == "sequences":
         vocabulary = 1000 if args.vocabulary is None else args.vocabulary
         if vocabulary < 3:
@@ -164,15 +164,10 @@ def synthetic_settings(args: argparse.Namespace) -> tuple[int, list[int], int, i
                                f"{vocabulary}")
         return args.synthetic, shape, vocabulary, 0 if args.seed is None else args.seed
     if args.kind == "images":
-        if args.labels is not None:
-            raise ConvertError("--labels is for volumes (binary label maps per voxel); images take --classes")
         classes = 10 if args.classes is None else args.classes
         if classes < 2:
             raise ConvertError(f"--classes must be >= 2; got {classes}")
     else:
-        if args.classes is not None:
-            raise ConvertError("--classes is for images; volumes take --labels (binary label maps per voxel, "
-                               "model.labels, default 3)")
         classes = 3 if args.labels is None else args.labels
         if classes < 1:
             raise ConvertError(f"--labels must be >= 1; got {classes}")

@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     import tensorflow as tf
 
-PAD, START = 0, 1  # as launcher.rank.tasks.seq2seq (which imports TensorFlow, so it is not imported here)
+PAD, START = 0, 1  # token ids with a meaning, here and in the model (launcher.rank.tasks.seq2seq)
 FIRST_WORD = 2
 
 

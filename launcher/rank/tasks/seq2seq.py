@@ -24,7 +24,6 @@ from launcher.rank.data.sequences import PAD, START  # token ids with a meaning;
 from launcher.rank.tasks.base import Task
 
 
-
 @keras.saving.register_keras_serializable(package="lms_launch")
 class AttentionLSTMCell(layers.Layer):
     """An LSTM cell whose input is the step's embedding and the previous attentional state, and

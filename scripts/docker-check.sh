@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Builds the CPU image and runs the README's job inside it, on a machine that may have no registry
-# and no running Docker daemon:
+# Builds the CPU image (or, with --gpu, the GPU image) and runs the README's job inside it, on a
+# machine that may have no registry and no running Docker daemon:
 #   1. uses the running Docker daemon, or starts one (vfs storage, host network only) and stops it at the end;
 #   2. makes a Debian bookworm base with debootstrap when it is missing (no registry needed);
-#   3. builds docker/Dockerfile.cpu on that base, trusting this host's extra CA certificates;
-#   4. in the image: `horovodrun --check-build` (TensorFlow, MPI and Gloo must be built in), then the
-#      README's main job (its first command: 2 local ranks, LMS on), and checks its summary.json.
+#   3. builds docker/Dockerfile.cpu on that base, trusting this host's extra CA certificates (with
+#      --gpu, docker/Dockerfile.gpu: on the local base it assembles its CUDA 12 toolkit from Debian's
+#      nvcc and PyPI's headers, CUDA_TOOLKIT=unpacked; on a --base it expects one there);
+#   4. in the image: `horovodrun --check-build` (TensorFlow, MPI and Gloo must be built in, and NCCL
+#      with --gpu), then the README's main job (its first command: 2 local ranks, LMS on; on the CPU
+#      with --gpu too), and checks its summary.json.
 # Whatever it started (container, daemon) is stopped on every exit path. The build takes about
 # 12 minutes on 2 cores; later runs reuse Docker's cache while the sources are unchanged.
 #
-#   bash scripts/docker-check.sh [--base IMAGE] [--tag NAME] [--out DIR]
+#   bash scripts/docker-check.sh [--gpu] [--base IMAGE] [--tag NAME] [--out DIR]
 #
+#   --gpu         the GPU image (docker/Dockerfile.gpu, default tag lms-launch:gpu; about 25 minutes
+#                 the first time on 2 cores, most of it TensorFlow's CUDA wheels and Horovod's NCCL build)
 #   --base IMAGE  build on IMAGE (e.g. python:3.11-slim-bookworm where a registry is reachable)
 #                 instead of the local debootstrap base lms-launch-base:bookworm
-#   --tag NAME    the image to build (default lms-launch:cpu); the image it replaces is removed
+#   --tag NAME    the image to build (default lms-launch:cpu, or lms-launch:gpu); the image it replaces is removed
 #   --out DIR     where logs and the job's run directory go (default runs/docker-check-<time>)
 #
 # Exit status: 0 all checks passed; 1 a step or check failed (the message names it and its log);
@@ -32,8 +37,9 @@ readonly JOB_RECIPE=recipes/unet3d-cpu.yaml
 readonly JOB_RANKS=2
 
 base=""
-tag=lms-launch:cpu
+tag=""
 out=""
+gpu=0
 usage() { sed -n '/^#   bash scripts\/docker-check.sh/,/^#   --out/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; }
 while (($#)); do
   case $1 in
@@ -41,10 +47,14 @@ while (($#)); do
       if (($# < 2)) || [ -z "$2" ]; then echo "docker-check: $1 needs a value" >&2; usage; exit 2; fi
       case $1 in --base) base=$2 ;; --tag) tag=$2 ;; --out) out=$2 ;; esac
       shift 2 ;;
+    --gpu) gpu=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "docker-check: unknown argument '$1'" >&2; usage; exit 2 ;;
   esac
 done
+if ((gpu)); then flavour=gpu; else flavour=cpu; fi
+tag=${tag:-lms-launch:$flavour}
+dockerfile=docker/Dockerfile.$flavour
 out=${out:-$repo_root/runs/docker-check-$(date +%Y%m%d-%H%M%S)}
 if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
   echo "docker-check: --out $out already holds files; give a new directory or remove it" >&2
@@ -148,8 +158,16 @@ else
   say "made $base ($(docker image inspect --format '{{.Size}}' "$base" | numfmt --to=iec))"
 fi
 
-# --- 3. the CPU image ----------------------------------------------------------------------------------
-step "3/5 docker build -f docker/Dockerfile.cpu -t $tag (about 12 minutes the first time)"
+# --- 3. the image ------------------------------------------------------------------------------------
+build_args=(--build-arg BASE_IMAGE="$base")
+if ((gpu)); then
+  # Debian's base has no CUDA toolkit: the build assembles one. A --base is taken to carry its own.
+  if [ "$base" = "$LOCAL_BASE" ]; then cuda_toolkit=unpacked; else cuda_toolkit=image; fi
+  build_args+=(--build-arg CUDA_TOOLKIT="$cuda_toolkit")
+  step "3/5 docker build -f $dockerfile -t $tag, CUDA_TOOLKIT=$cuda_toolkit (about 25 minutes the first time)"
+else
+  step "3/5 docker build -f $dockerfile -t $tag (about 12 minutes the first time)"
+fi
 # The host's extra CAs (a TLS proxy's) go into the build context for this build only.
 shopt -s nullglob
 for cert in "$HOST_EXTRA_CA_DIR"/*.crt "$HOST_EXTRA_CA_DIR"/*/*.crt; do
@@ -166,8 +184,8 @@ build_started=$SECONDS
 # RUN's stderr: the escapes are dropped); everything is in build.log. --force-rm: a failed step's
 # container is removed too, not left behind holding a full copy of the image.
 set +e
-docker build --force-rm --network host --build-arg BASE_IMAGE="$base" -f "$repo_root/docker/Dockerfile.cpu" -t "$tag" "$repo_root" \
-  2>&1 | tee "$out/build.log" | sed -u 's/\x1b\[[0-9;]*m//g' | grep --line-buffered -E '^Step |^\[(install|prepare-base)\]' |
+docker build --force-rm --network host "${build_args[@]}" -f "$repo_root/$dockerfile" -t "$tag" "$repo_root" \
+  2>&1 | tee "$out/build.log" | sed -u 's/\x1b\[[0-9;]*m//g' | grep --line-buffered -E '^Step |^\[(install|prepare-base|cuda-toolkit)\]' |
   sed -u 's/^/    /'
 build_status=${PIPESTATUS[0]}
 set -e
@@ -194,7 +212,9 @@ if ! docker exec "$container" horovodrun --check-build >"$out/check-build.txt" 2
   fail "horovodrun --check-build exited non-zero in $tag"
 fi
 sed -n '/^Horovod v/,$p' "$out/check-build.txt" | sed 's/^/    /'  # without TensorFlow's start-up log lines
-for want in TensorFlow MPI Gloo; do
+wanted=(TensorFlow MPI Gloo)
+((gpu)) && wanted+=(NCCL)
+for want in "${wanted[@]}"; do
   grep -q "\[X\] $want" "$out/check-build.txt" || fail "horovodrun --check-build does not list $want as built in ($out/check-build.txt)"
 done
 
@@ -247,4 +267,4 @@ then
   fail "the job's summary does not pass (run directory: $out/run)"
 fi
 
-step "all checks passed: $tag builds, has TensorFlow, MPI and Gloo, and runs the README's job"
+step "all checks passed: $tag builds, has ${wanted[*]}, and runs the README's job"

@@ -96,8 +96,9 @@ check_nccl_build_tools() {
   [ -n "$nvcc" ] && [ -x "$nvcc" ] && release=$("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
   if [ -z "$release" ]; then
     say "error: building Horovod with NCCL (LMS_LAUNCH_GPU=1) needs the CUDA 12 toolkit's nvcc, and none was" \
-        "found (HOROVOD_CUDA_HOME, PATH, /usr/local/cuda/bin). Install CUDA 12.5 or build docker/Dockerfile.gpu" \
-        "on an nvidia/cuda:12.5.1-cudnn-devel image; PyPI's nvidia-cuda-nvcc-cu12 has no nvcc."
+        "found (HOROVOD_CUDA_HOME, PATH, /usr/local/cuda/bin). Install CUDA 12.5, or assemble one without NVIDIA's" \
+        "repositories with 'bash docker/cuda-toolkit-unpacked.sh /opt/cuda-12.4' and set HOROVOD_CUDA_HOME=/opt/cuda-12.4;" \
+        "PyPI's nvidia-cuda-nvcc-cu12 has no nvcc."
     exit 1
   fi
   if [ "${release%%.*}" != 12 ]; then
@@ -108,6 +109,16 @@ check_nccl_build_tools() {
              "$(dirname "$(dirname "$nvcc")")/include" /usr/include /usr/local/include; do
     if [ -n "$dir" ] && [ -f "$dir/nccl.h" ]; then say "NCCL build: nvcc $release ($nvcc), $dir/nccl.h"; return; fi
   done
+  # Else the NCCL that tensorflow[and-cuda] brings (the nvidia-nccl-cu12 wheel: header and shared
+  # library), linked shared; the linker looks for the unversioned libnccl.so, which the wheel lacks.
+  local wheel_nccl
+  wheel_nccl=$("$py" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+  if [ -n "$wheel_nccl" ] && [ -f "$wheel_nccl/include/nccl.h" ] && [ -f "$wheel_nccl/lib/libnccl.so.2" ]; then
+    [ -e "$wheel_nccl/lib/libnccl.so" ] || ln -s libnccl.so.2 "$wheel_nccl/lib/libnccl.so"
+    hvd_build_env+=(HOROVOD_NCCL_HOME="$wheel_nccl" HOROVOD_NCCL_LINK=SHARED)
+    say "NCCL build: nvcc $release ($nvcc), $wheel_nccl/include/nccl.h (TensorFlow's nvidia-nccl-cu12 wheel, linked shared)"
+    return
+  fi
   say "error: building Horovod with NCCL needs nccl.h: install libnccl-dev (NVIDIA's CUDA apt repository) or set HOROVOD_NCCL_HOME"
   exit 1
 }

@@ -1,4 +1,6 @@
-"""scripts/docker-check.sh: builds the CPU image and runs the README's job inside it.
+"""scripts/docker-check.sh: builds the CPU image (or the GPU image, `--gpu`) and runs the README's job
+inside it; docker/cuda-toolkit-unpacked.sh: the CUDA 12 toolkit the GPU image builds Horovod with
+where NVIDIA's images cannot be pulled.
 
 The `docker` tests take minutes (the image build alone is about ten on 2 cores) and need root to start
 a Docker daemon, so the default run leaves them out: `.venv/bin/python -m pytest -m docker`. They skip,
@@ -19,6 +21,7 @@ import yaml
 from tests.fixtures import REPO
 
 SCRIPT = REPO / "scripts" / "docker-check.sh"
+TOOLKIT_SCRIPT = REPO / "docker" / "cuda-toolkit-unpacked.sh"
 EXIT_CANNOT_USE_DOCKER = 77  # the script's "Docker cannot be used here" status
 BUILD_AND_JOB_TIMEOUT_S = 3000  # the script's limit; pytest's own is 300 s later
 README_JOB_RANKS = 2  # the README's first command trains "on 2 local CPU ranks, LMS on"
@@ -123,6 +126,59 @@ def test_cpu_image_builds_and_runs_the_readme_job(tmp_path):
 
 
 @pytest.mark.docker
+@pytest.mark.timeout(BUILD_AND_JOB_TIMEOUT_S + 300)
+def test_gpu_image_builds_with_nccl_on_a_base_without_cuda(tmp_path):
+    # On the local Debian base the build assembles its CUDA toolkit (CUDA_TOOLKIT=unpacked); no GPU
+    # is needed to build, and the README's job then runs on the image's TensorFlow, on the CPU.
+    out = tmp_path / "check"
+    proc = run_check("--gpu", "--out", str(out), timeout=BUILD_AND_JOB_TIMEOUT_S)
+    print(proc.stdout)
+    skip_if_docker_unusable(proc)
+    assert proc.returncode == 0, output_of(proc)
+    assert "CUDA_TOOLKIT=unpacked" in proc.stdout
+    check_build = (out / "check-build.txt").read_text()
+    for built_in in ("TensorFlow", "MPI", "Gloo", "NCCL"):
+        assert re.search(rf"\[X\] {built_in}\b", check_build), f"{built_in} not built into Horovod:\n{check_build}"
+    build_log = (out / "build.log").read_text()
+    assert "(nvcc compiled and linked a kernel for sm_80)" in build_log
+    assert "nvidia-nccl-cu12 wheel, linked shared" in build_log  # install.sh found TensorFlow's NCCL
+    assert json.loads((out / "run" / "summary.json").read_text())["weights_in_sync"] is True
+    assert_nothing_left_running(proc.stdout)
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(600)
+def test_the_unpacked_toolkit_compiles_for_the_gpu_and_a_second_run_keeps_it(tmp_path):
+    # Downloads about 110 MB (Debian's nvidia-cuda-toolkit, three CUDA wheels): on demand only.
+    dest = tmp_path / "cuda"
+    first = subprocess.run(["bash", str(TOOLKIT_SCRIPT), str(dest)], capture_output=True, text=True, timeout=500)
+    assert first.returncode == 0, first.stdout + first.stderr
+    version = subprocess.run([str(dest / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
+    assert "release 12.4" in version
+    assert (dest / "include" / "cuda_runtime.h").is_file() and (dest / "include" / "cub" / "cub.cuh").is_file()
+    assert (dest / "lib64" / "libcudart_static.a").read_text().strip() == "INPUT(libcudart.so.12)"
+    # A kernel for the H100 (sm_90) compiles to an object that holds its SASS.
+    kernel = tmp_path / "k.cu"
+    kernel.write_text("__global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n")
+    obj = tmp_path / "k.o"
+    done = subprocess.run([str(dest / "bin" / "nvcc"), "-arch=sm_90", "-c", str(kernel), "-o", str(obj)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    listing = subprocess.run([str(dest / "bin" / "cuobjdump"), "--list-elf", str(obj)], capture_output=True, text=True)
+    assert "sm_90" in listing.stdout
+    again = subprocess.run(["bash", str(TOOLKIT_SCRIPT), str(dest)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already holds CUDA 12.4's nvcc" in again.stdout
+
+
+def test_the_toolkit_script_refuses_a_folder_that_holds_files(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep\n")
+    done = subprocess.run(["bash", str(TOOLKIT_SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert f"{tmp_path} exists and is not empty" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.docker
 @pytest.mark.timeout(900)
 def test_a_base_image_that_cannot_be_had_fails_clearly(tmp_path):
     missing = "lms-launch-no-such-base:never"
@@ -147,6 +203,7 @@ def test_the_check_runs_the_readmes_main_job():
     (["--bogus"], "unknown argument '--bogus'"),
     (["--base"], "--base needs a value"),
     (["--tag", ""], "--tag needs a value"),
+    (["--gpu", "--base"], "--base needs a value"),
 ])
 def test_bad_usage_exits_2_before_touching_docker(args, message):
     proc = run_check(*args, timeout=30)

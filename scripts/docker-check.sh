@@ -14,8 +14,8 @@
 #
 #   bash scripts/docker-check.sh [--gpu] [--base IMAGE] [--tag NAME] [--out DIR]
 #
-#   --gpu         the GPU image (docker/Dockerfile.gpu, default tag lms-launch:gpu; about 25 minutes
-#                 the first time on 2 cores, most of it TensorFlow's CUDA wheels and Horovod's NCCL build)
+#   --gpu         the GPU image (docker/Dockerfile.gpu, default tag lms-launch:gpu; its build took 5.5
+#                 minutes on 2 cores, most of it TensorFlow's CUDA wheels and Horovod's NCCL build)
 #   --base IMAGE  build on IMAGE (e.g. python:3.11-slim-bookworm where a registry is reachable)
 #                 instead of the local debootstrap base lms-launch-base:bookworm
 #   --tag NAME    the image to build (default lms-launch:cpu, or lms-launch:gpu); the image it replaces is removed
@@ -164,7 +164,7 @@ if ((gpu)); then
   # Debian's base has no CUDA toolkit: the build assembles one. A --base is taken to carry its own.
   if [ "$base" = "$LOCAL_BASE" ]; then cuda_toolkit=unpacked; else cuda_toolkit=image; fi
   build_args+=(--build-arg CUDA_TOOLKIT="$cuda_toolkit")
-  step "3/5 docker build -f $dockerfile -t $tag, CUDA_TOOLKIT=$cuda_toolkit (about 25 minutes the first time)"
+  step "3/5 docker build -f $dockerfile -t $tag, CUDA_TOOLKIT=$cuda_toolkit (about 6 minutes the first time)"
 else
   step "3/5 docker build -f $dockerfile -t $tag (about 12 minutes the first time)"
 fi

@@ -43,7 +43,7 @@ done
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-staging="$work/toolkit"  # assembled here, moved into DEST at the end: nothing half-made is left there
+staging="$work/toolkit"  # assembled and checked here, then copied into DEST: nothing half-made lands there
 
 # --- the compiler, from trixie, unpacked ------------------------------------------------------------
 apt_state="$work/apt"
@@ -64,6 +64,13 @@ for tool in ptxas fatbinary nvlink cudafe++ bin2c nvprune cuobjdump nvdisasm cu+
   cp -a "$from/bin/$tool" "$staging/bin/"
 done
 cp -a "$from/lib/nvidia-cuda-toolkit/libdevice/." "$staging/nvvm/libdevice/"
+# The Debian package is not pinned (trixie may take a new revision); the wheels below are CUDA 12.4's.
+compiler=$("$staging/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+if [ "$compiler" != 12.4 ]; then
+  say "error: Debian trixie's nvidia-cuda-toolkit is CUDA ${compiler:-unknown} now, not 12.4; pin the wheels" \
+      "in WHEELS to that release"
+  exit 1
+fi
 for headers in cuda nv cub thrust; do cp -a "$from/include/$headers" "$staging/include/"; done
 
 # --- headers and the runtime, from PyPI's wheels -------------------------------------------------------
@@ -104,8 +111,7 @@ __global__ void scale(__half* x, float a, int n) { int i = blockIdx.x * blockDim
 int main() { __half* x = nullptr; cudaMalloc(&x, 4); scale<<<1, 1>>>(x, 2.0f, 1); return cudaFree(x) == cudaSuccess ? 0 : 1; }
 CU
 "$staging/bin/nvcc" -arch=sm_80 -o "$work/check" "$work/check.cu"
-release=$("$staging/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')
 
 mkdir -p "$DEST"
 cp -a "$staging/." "$DEST/"
-say "CUDA $release toolkit in $DEST (nvcc compiled and linked a kernel for sm_80); build with HOROVOD_CUDA_HOME=$DEST"
+say "CUDA $compiler toolkit in $DEST (nvcc compiled and linked a kernel for sm_80); build with HOROVOD_CUDA_HOME=$DEST"

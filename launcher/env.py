@@ -50,6 +50,11 @@ LMS_LAUNCH_GPU = "LMS_LAUNCH_GPU"
 # full GPU. (It caps TensorFlow's BFC allocator on the CPU, in MiB; read when TensorFlow starts.)
 TF_CPU_BFC_MEM_LIMIT_IN_MB = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 
+# Set by `lms-launch bench --judge run --device-memory M` for each probe on a GPU (launcher/bench/run_judge.py),
+# read by a rank as it picks its GPU (launcher/rank/devices.py): the GPU is given to TensorFlow as one logical
+# device of this many MiB instead of growing into all of it, so an H100 answers for the papers' 16 GB GPUs.
+LMS_LAUNCH_GPU_MEMORY_LIMIT_MB = "LMS_LAUNCH_GPU_MEMORY_LIMIT_MB"
+
 # Set by a rank whose CPU allocator is held to a limit (TF_CPU_BFC_MEM_LIMIT_IN_MB), unless the user set
 # it: oneDNN's CPU kernels abort the process when an allocation fails (tensorflow/tensorflow#108621), so
 # an out-of-memory error would end the rank with a crash instead of TensorFlow's error and our advice.

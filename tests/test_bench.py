@@ -4,6 +4,8 @@ Grappler estimate; bad input writes nothing; the run judge runs real steps, dete
 and leaves no process behind."""
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import json
 import math
@@ -323,6 +325,11 @@ def test_a_probe_command_and_environment(tmp_path):
     assert probe_command(setting, "none", 240, tmp_path / "p")[-1] == "lms.enabled=false"
     assert load_recipe(RECIPES / "unet3d.yaml", entries).model.input_shape == [240, 240, 240, 4]
     assert probe_environment(setting)["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == "48"
+    # On a GPU the same --device-memory holds the GPU instead (one logical device of that size).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", raising=False)
+        on_gpu = probe_environment(dataclasses.replace(setting, on_gpu=True, device_memory_bytes=16 << 30))
+    assert on_gpu["LMS_LAUNCH_GPU_MEMORY_LIMIT_MB"] == "16384" and "TF_CPU_BFC_MEM_LIMIT_IN_MB" not in on_gpu
     # TensorFlow's out-of-memory warnings stay visible whatever level the user set, as the judge reads them.
     for user, probe in (("3", "1"), ("2", "1"), ("0", "0"), (None, "1")):
         with pytest.MonkeyPatch.context() as patch:

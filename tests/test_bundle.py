@@ -543,12 +543,19 @@ def test_device_calls_send_one_part_each_then_unpack():
                                    bm.PartSet("cudnn", True, "", parts("cudnn", 2), (), "", 0)))
     text = pack.device_calls("b", m, REPO / "bundle")
     carries = [json.loads(line.split("carry ", 1)[1]) for line in text.splitlines() if " carry [" in line]
+    carries = [c for c in carries if c]  # the measurements carry nothing: TensorFlow is unpacked by then
     assert carries == [["bundle/b/manifest.json", f"bundle/b/{p.name}"] for s in m.sets for p in s.parts]
     commands = [line.split("command: ", 1)[1] for line in text.splitlines() if "command: " in line]
-    assert all("--verify-only" in c for c in commands[0:2] + commands[3:4])
+    assert all("--verify-only" in c for c in commands[0:2] + commands[-2:-1])
     assert "--into /tmp/lms-tf" in commands[2] and "--cudnn" not in commands[2]
-    assert "--into /tmp/lms-tf --cudnn bundled" in commands[4]
-    assert all(f"cp {c[0]} {c[1]} /tmp/lms-bundle/" in cmd for c, cmd in zip(carries, commands))
+    assert "--into /tmp/lms-tf --cudnn bundled" in commands[-1]
+    # Between the base set and the cudnn set: the measurements, in the TensorFlow the base call unpacked.
+    measurements = [c for c in commands if "gpu_measurements.py" in c or "bench max-batch" in c]
+    assert commands[3:3 + len(measurements)] == measurements and len(measurements) == len(pack.MEASUREMENTS)
+    assert all(c.startswith("source /tmp/lms-tf/env.sh && ") and "$OUT" in c for c in measurements)
+    assert all("--judge run --device-memory 16GiB" in c for c in measurements if "bench max-batch" in c)
+    copies = [c for c in commands if "/tmp/lms-bundle/" in c]
+    assert all(f"cp {c[0]} {c[1]} /tmp/lms-bundle/" in cmd for c, cmd in zip(carries, copies))
     assert pack.device_calls("b", m, Path("/elsewhere")) is None  # outside the repository: no device tool
 
 

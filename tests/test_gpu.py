@@ -19,6 +19,29 @@ def test_a_rank_is_pinned_to_one_gpu_with_memory_growth():
     assert tf.config.experimental.get_memory_growth(visible[0]) is True
 
 
+def test_a_rank_can_be_held_to_less_of_its_gpu(tmp_path):
+    """LMS_LAUNCH_GPU_MEMORY_LIMIT_MB (set by the bench's run judge for --device-memory) makes the GPU
+    one logical device of that size: 256 MiB fit under a 1 GiB hold, 2 GiB do not. In a fresh process,
+    since devices can be configured only before TensorFlow starts them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import tensorflow as tf\n"
+        "from launcher.rank.devices import pin_device\n"
+        "assert pin_device(0) == 'GPU:0'\n"
+        "with tf.device('GPU:0'):\n"
+        "    print('small', float(tf.reduce_sum(tf.ones([64, 1024, 1024]))))\n"
+        "    try:\n"
+        "        print('large', float(tf.reduce_sum(tf.ones([512, 1024, 1024]))))\n"
+        "    except tf.errors.ResourceExhaustedError:\n"
+        "        print('large: out of memory')\n")
+    env = {**__import__("os").environ, "LMS_LAUNCH_GPU_MEMORY_LIMIT_MB": "1024", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "small 67108864.0" in done.stdout and "large: out of memory" in done.stdout
+
+
 def test_gpu_peak_memory_is_measured_and_reset():
     from launcher.rank.metrics import DeviceMemoryMonitor
 

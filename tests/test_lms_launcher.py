@@ -79,6 +79,16 @@ def test_the_pinned_memory_cap_covers_the_plan_with_headroom():
     assert mine[ev.TF_GPU_HOST_MEM_LIMIT_IN_MB] == "4096"  # the user's cap is never changed
 
 
+def test_a_gpu_memory_hold_is_read_in_mib_and_a_bad_one_is_named():
+    from launcher.rank.devices import gpu_memory_limit_mb
+
+    assert gpu_memory_limit_mb({}) is None and gpu_memory_limit_mb({ev.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB: " "}) is None
+    assert gpu_memory_limit_mb({ev.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB: "16384"}) == 16384
+    for bad in ("16GiB", "0", "-5"):
+        with pytest.raises(ValueError, match=f"LMS_LAUNCH_GPU_MEMORY_LIMIT_MB='{bad}': give a positive whole number"):
+            gpu_memory_limit_mb({ev.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB: bad})
+
+
 def parked(host_bytes: int, by: str = "estimate") -> PlanReport:
     """A report whose plan parks `host_bytes` on the host, by Grappler's estimate or, where there is
     none, by the simulator's prediction."""

@@ -76,7 +76,7 @@ def parser() -> UsageParser:
     p.add_argument("--judge", choices=("auto", "estimate", "run"), default="auto",
                    help="estimate: Grappler's estimate; run: real steps in fresh processes; auto: run on a GPU")
     p.add_argument("--device-memory", help=f"device memory to fit (default {DEFAULT_DEVICE_MEMORY}; with --judge run "
-                                           f"on a GPU, the GPU's own)")
+                                           f"on a GPU, the GPU's own; given, the GPU is held to it)")
     p.add_argument("--host-memory", help=f"host memory lms-launch may park swaps in (default lms.host_memory, else "
                                          f"{DEFAULT_HOST_MEMORY})")
     p.add_argument("--link", help=f"the link lms-launch tunes for and times are predicted on (default {DEFAULT_LINK}; "
@@ -281,7 +281,9 @@ def judge_text(setup: BenchSetup, target) -> str:
                 f"{format_bytes(setup.device_memory_bytes)} (an estimate, not a GPU measurement); step times "
                 f"predicted by lms-launch's simulator for {target.device.name} on {target.link.name}")
     if setup.on_gpu:
-        return (f"run: {setup.run_steps} real training steps per probe in a fresh process on {setup.gpu.name} "
+        held = ("" if setup.device_memory_bytes is None else
+                f", TensorFlow given {format_bytes(setup.device_memory_bytes)} of it (one logical device of that size)")
+        return (f"run: {setup.run_steps} real training steps per probe in a fresh process on {setup.gpu.name}{held} "
                 f"({setup.run_steps - RUN_SKIP_STEPS} measured); out of memory detected from TensorFlow's error")
     return (f"run: {setup.run_steps} real training steps per probe in a fresh process on this machine's CPU, "
             f"TensorFlow's CPU allocator held to {format_bytes(setup.device_memory_bytes)} (no GPU here: the CPU "

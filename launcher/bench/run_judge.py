@@ -64,7 +64,7 @@ class RunSetting:
     skip_steps: int
     timeout_s: float
     on_gpu: bool
-    device_memory_bytes: int | None  # planned for by lms-launch; on a CPU also the allocator's limit
+    device_memory_bytes: int | None  # planned for by lms-launch, and the allocator's limit
     lms_overrides: list[str]  # lms.* entries for the lms-launch probes (link, device, host memory)
 
 
@@ -107,8 +107,11 @@ def probe_environment(setting: RunSetting) -> dict[str, str]:
     level = environment.get(env.TF_CPP_MIN_LOG_LEVEL, "1")
     environment[env.TF_CPP_MIN_LOG_LEVEL] = level if level in ("0", "1") else "1"
     environment[env.PYTHONUNBUFFERED] = "1"
-    if not setting.on_gpu and setting.device_memory_bytes:
-        environment[env.TF_CPU_BFC_MEM_LIMIT_IN_MB] = str(max(1, setting.device_memory_bytes >> 20))
+    if setting.device_memory_bytes:
+        # The allocator of the device computed on is held to the memory benchmarked: the CPU's BFC
+        # allocator without a GPU, the GPU's logical device with one.
+        limit = env.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB if setting.on_gpu else env.TF_CPU_BFC_MEM_LIMIT_IN_MB
+        environment[limit] = str(max(1, setting.device_memory_bytes >> 20))
     return environment
 
 

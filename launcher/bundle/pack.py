@@ -292,6 +292,7 @@ def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | N
             cmd += ("set -o pipefail; PYTHONUNBUFFERED=1 python3 launcher/bundle/unpack.py /tmp/lms-bundle "
                     "--into /tmp/lms-tf 2>&1 | tee $OUT/unpack.log")
         lines += [f"{i}. carry {json.dumps(carry)}", f"   command: {cmd}", ""]
+    lines += measurement_calls()
     try:
         cudnn = manifest.set("cudnn")
     except KeyError:
@@ -307,6 +308,29 @@ def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | N
                     "--into /tmp/lms-tf --cudnn bundled 2>&1 | tee $OUT/unpack-cudnn.log")
         lines += [f"c{i}. carry {json.dumps(carry)}", f"    command: {cmd}", ""]
     return "\n".join(lines)
+
+
+# Issue 14's measurements, in the warm machine the last base call unpacked TensorFlow into: most
+# telling first, each within one call's 10 minutes (benchmarks/gpu_measurements.py says what each is).
+MEASUREMENTS = (
+    "python3 benchmarks/gpu_measurements.py env --out $OUT; python3 benchmarks/gpu_measurements.py tests --out $OUT; "
+    "python3 benchmarks/gpu_measurements.py link --out $OUT; "
+    "python3 benchmarks/gpu_measurements.py ops --models resnet50 --out $OUT",
+    "python3 benchmarks/gpu_measurements.py peaks --models resnet50 --out $OUT",
+    "python3 benchmarks/gpu_measurements.py peaks --models unet3d --out $OUT",
+    "python3 -m launcher.cli bench max-batch recipes/resnet50.yaml --judge run --device-memory 16GiB --configs none "
+    "--start 192 --min 128 --max 320 --step 8 --out $OUT/bench-none 2>&1 | tee $OUT/bench-none.log",
+    "python3 -m launcher.cli bench max-batch recipes/resnet50.yaml --judge run --device-memory 16GiB --configs "
+    "lms-launch --start 1024 --min 512 --max 1792 --step 128 --out $OUT/bench-lms 2>&1 | tee $OUT/bench-lms.log",
+)
+
+
+def measurement_calls() -> list[str]:
+    lines = ["Then the measurements (issue 14), still back to back, each with `timeout_s` 600; if the device",
+             "budget runs out, the next GPU session goes on from the first one missing:", ""]
+    for i, command in enumerate(MEASUREMENTS, 1):
+        lines += [f"m{i}. carry []", f"    command: source /tmp/lms-tf/env.sh && {command}", ""]
+    return lines
 
 
 README = """{title}

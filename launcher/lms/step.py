@@ -68,8 +68,10 @@ def plan_and_check(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContex
     """(the rewritten step, its report with Grappler's estimate and the gating check)."""
     import lms_core.tf as lms_tf
 
+    # describe_memory: the plan's device memory as TensorFlow's allocator holds it (the model of
+    # lms_core.memory) goes into the rank's plan, next to which the run's measured peak is logged.
     rewrite = functools.partial(lms_tf.rewrite, step, *specs, config=lms, compute_device=f"/device:{ctx.device}",
-                                host_device=HOST_DEVICE)
+                                host_device=HOST_DEVICE, describe_memory=True)
     rewritten = rewrite(target=target)
     # Profiled steps run the step's collectives, so every rank profiles or none does.
     if lms.measure_ops and all_ranks(ctx, on_gpu):

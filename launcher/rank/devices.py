@@ -8,6 +8,11 @@ devices share one allocator, so on a CPU rank swapping moves no memory; it prove
 """
 from __future__ import annotations
 
+import os
+from typing import Mapping
+
+from launcher import env
+
 HOST_DEVICE = "/device:CPU:0"
 SPLIT_COMPUTE_CPU = "CPU:1"  # the compute device of a CPU rank with LMS on
 
@@ -25,7 +30,9 @@ def split_cpu() -> None:
 
 def pin_device(local_rank: int, lms_enabled: bool = False) -> str:
     """One GPU per rank (by local rank), with memory growth so ranks sharing a GPU in tests do not
-    each reserve it all. Without a GPU: CPU:0, or the split CPU's compute device when LMS is on."""
+    each reserve it all, or held to LMS_LAUNCH_GPU_MEMORY_LIMIT_MB when that is set (a benchmark
+    answering for a smaller GPU). Without a GPU: CPU:0, or the split CPU's compute device when LMS
+    is on."""
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -36,5 +43,26 @@ def pin_device(local_rank: int, lms_enabled: bool = False) -> str:
         return "CPU:0"
     gpu = gpus[local_rank % len(gpus)]
     tf.config.set_visible_devices(gpu, "GPU")
-    tf.config.experimental.set_memory_growth(gpu, True)
+    limit_mb = gpu_memory_limit_mb(os.environ)
+    if limit_mb is None:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    else:
+        # One logical device of that size: TensorFlow's GPU allocator then never holds more (memory
+        # growth and a limit exclude each other; the limit is what a smaller GPU would give).
+        tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mb)])
     return "GPU:0"
+
+
+def gpu_memory_limit_mb(environ: Mapping[str, str]) -> int | None:
+    """LMS_LAUNCH_GPU_MEMORY_LIMIT_MB as a positive number of MiB, None when unset or empty."""
+    text = environ.get(env.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{env.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB}={text!r}: give a positive whole number of MiB "
+                         f"(e.g. 16384 for a 16 GiB GPU), or unset it to use the whole GPU")
+    return value

@@ -1,0 +1,79 @@
+"""benchmarks/gpu_measurements.py, the harness a GPU session runs (issue 14), checked on this CPU: each
+figure it prints is the one the run measured or the plan said, and bad input is refused by name."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.fixtures import REPO as ROOT
+
+HARNESS = ROOT / "benchmarks" / "gpu_measurements.py"
+GIB = 1 << 30
+
+
+def harness(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HARNESS), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def figures(line: str) -> list[float]:
+    """The GiB figures of a peaks row: measured, then each model's, with its error left out."""
+    words = line.replace("(", " ").replace(")", " ").split()
+    numbers = [w for w in words if w.replace(".", "", 1).isdigit()]
+    return [float(n) for n in numbers]
+
+
+def test_peaks_prints_what_each_case_measured_and_what_its_plan_said(tmp_path):
+    done = harness("peaks", "--models", "unet3d-cpu", "--device-memory", "2GiB", "--out", str(tmp_path),
+                   "--workdir", str(tmp_path / "cases"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / "gpu-peaks-unet3d-cpu.txt").read_text()
+    assert "NO GPU: this run checks the harness on the CPU allocator" in text  # never passed off as a GPU figure
+    assert "the CPU allocator held to 2 GiB" in text
+    rows = {line.split()[2]: line for line in text.splitlines() if line.startswith("unet3d-cpu ")}
+    assert set(rows) == {"no", "LMS"}
+
+    # The LMS case: measured = the run's summary, the models' figures = the rank's own plan.
+    run = tmp_path / "cases" / "lms-launch-48"
+    summary = json.loads((run / "summary.json").read_text())
+    plan = json.loads((run / "lms" / "plan-rank0.json").read_text())
+    measured, grappler, simulated, live, bfc = figures(rows["LMS"].split("LMS", 1)[1])[:5]
+    assert measured == round(summary["max_peak_memory_bytes"] / GIB, 2)
+    assert grappler == round(plan["estimated_peak_bytes"]["lms"] / GIB, 2)
+    assert simulated == round(plan["prediction"]["peak_device_bytes"] / GIB, 2)
+    assert live == round(plan["device_memory"]["live_peak_bytes"] / GIB, 2)
+    assert bfc == round(plan["device_memory"]["bfc_bytes"] / GIB, 2)
+    # The no-swap case ran without LMS (no plan), and still has every model's figure.
+    assert not (tmp_path / "cases" / "none-32" / "lms").exists()
+    assert len(figures(rows["no"].split("swap", 1)[1])) >= 5
+
+
+def test_env_says_when_there_is_no_gpu_and_bad_input_is_named(tmp_path):
+    done = harness("env", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (tmp_path / "gpu-env.txt").read_text()
+    assert text.startswith("date: ") and "command: python3 benchmarks/gpu_measurements.py env" in text
+    assert "TensorFlow 2.18.1" in text and "GPUs it sees: 0" in text and "NO GPU" in text
+
+    unknown = harness("peaks", "--models", "vgg16", "--out", str(tmp_path / "x"))
+    assert unknown.returncode == 2 and "--models: no cases for vgg16; choose from resnet50, unet3d" in unknown.stderr
+    size = harness("peaks", "--device-memory", "lots", "--out", str(tmp_path / "x"))
+    assert size.returncode == 2 and "--device-memory" in size.stderr
+    assert not (tmp_path / "x").exists()  # nothing written for bad input
+
+
+def test_ops_sums_measured_and_modelled_time_by_op_type(tmp_path):
+    done = harness("ops", "--models", "unet3d-cpu", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = (tmp_path / "gpu-ops-unet3d-cpu.txt").read_text().splitlines()
+    table = lines[lines.index(next(l for l in lines if l.startswith("op type"))) + 1:]
+    rows = [l.split() for l in table if l and not l.startswith(("all timed ops", "step:"))]
+    total = next(l.split() for l in table if l.startswith("all timed ops"))
+    # Each row: type, ops, measured ms, roofline ms, ratio = measured / roofline, each printed rounded
+    # to 2 decimals: the ratio lies between the bounds the rounded times allow.
+    for _, count, measured, modelled, ratio in rows:
+        m, r, q = float(measured), float(modelled), float(ratio)
+        assert int(count) > 0 and (m - 0.005) / (r + 0.005) - 0.005 <= q <= (m + 0.005) / max(r - 0.005, 1e-9) + 0.005
+    assert sum(float(r[2]) for r in rows) <= float(total[4]) + 0.01  # the listed types are part of the whole
+    assert any(l.startswith("step: measured ") and "simulator" in l for l in table)

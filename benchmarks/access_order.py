@@ -1,7 +1,7 @@
 """The access-order strategy against the distance planner, and the zero-overhead point, by the
 simulator on the v100 profile (the figures of docs/lms.md's "The access-order strategy"):
 
-    .venv/bin/python benchmarks/access_order.py [--quick]
+    .venv/bin/python benchmarks/access_order.py [--quick] [--only resnet50|unet3d] [--set KEY=VALUE ...]
 
 For each case (a recipe at a batch or input size, a link): the unswapped step, the tuned distance
 plan, the access-order plan, and the lower bound (lms_core.access_order.lower_bound_s): predicted
@@ -131,18 +131,27 @@ def gib(n: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the first case, no zero-overhead points")
+    parser.add_argument("--only", choices=("resnet50", "unet3d"), help="only this recipe's cases")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every case run (with --only, for keys of that model), "
+                             "e.g. --only resnet50 --set model.batch_norm=keras")
     args = parser.parse_args()
     from launcher.rank.devices import split_cpu
 
     split_cpu()
+    chosen = [case for case in CASES if args.only is None or Path(case[0]).stem == args.only]
     traces: dict[tuple, Traced] = {}
-    for recipe, overrides, link in CASES[:1] if args.quick else CASES:
+    for recipe, overrides, link in chosen[:1] if args.quick else chosen:
+        overrides = [*overrides, *args.set]
         key = (recipe, tuple(overrides))
         if key not in traces:
             traces[key] = trace(recipe, overrides)
         print("\n".join(compare(traces[key], link)), flush=True)
     if not args.quick:
         for recipe, overrides in ZERO_OVERHEAD:
+            if args.only is not None and Path(recipe).stem != args.only:
+                continue
+            overrides = [*overrides, *args.set]
             key = (recipe, tuple(overrides))
             traced = traces.get(key) or trace(recipe, overrides)
             print("\n".join(zero_overhead(traced)), flush=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from lms_core.config import LMSConfig, SettingError
 
 MODELS = ("resnet50", "unet3d", "seq2seq")
+BATCH_NORMS = ("keras", "fused")  # how resnet50 trains batch norm (ModelConfig.batch_norm)
 DATA_SOURCES = ("synthetic", "tfrecord")
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("float32", "mixed_float16")
@@ -40,6 +41,14 @@ class ModelConfig:
 
     classes: int | None = None
     """resnet50 only [1000]: output classes; each image has one label in [0, classes)."""
+
+    batch_norm: str | None = None
+    """resnet50 only [keras]: how batch norm trains. `keras`: Keras 3's layer, moments and element-wise
+    ops, whose gradient is a chain of full-size element-wise ops. `fused`: TensorFlow's fused kernel,
+    one `FusedBatchNormV3` and one `FusedBatchNormGradV3` per layer, as TF 1.x Keras computed the
+    LMS papers' ResNet-50 (launcher/rank/tasks/fused_batch_norm.py). The same normalization to float
+    rounding; fused runs fewer ops, yet lms-launch's plans reach a smaller batch with it by Grappler's
+    estimate (1062 against 1317 on 16 GiB: README, "The papers' tables")."""
 
     labels: int | None = None
     """unet3d only [3]: binary label maps per voxel, one sigmoid output each; 3 for BraTS's nested
@@ -88,6 +97,7 @@ class ModelConfig:
         if self.name == "resnet50":
             if self.classes < 2:
                 raise SettingError("classes", f"must be >= 2; got {self.classes}")
+            _one_of("batch_norm", self.batch_norm, BATCH_NORMS)
             return
         if self.name == "seq2seq":
             self._check_seq2seq()
@@ -124,7 +134,7 @@ class ModelConfig:
 
 
 _MODEL_DEFAULTS = {
-    "resnet50": {"classes": 1000},
+    "resnet50": {"classes": 1000, "batch_norm": "keras"},
     "unet3d": {"labels": 3, "levels": 5, "base_filters": 16, "dropout": 0.3},
     "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4},
 }

@@ -160,6 +160,34 @@ def test_the_simulator_and_grappler_agree_on_the_unswapped_step_and_both_see_the
         assert real.step_time_s >= sim_lms.step_time_s and not math.isnan(real.hidden_share)
 
 
+def test_both_estimates_count_an_ops_outputs_with_what_its_predecessor_frees_as_it_ends():
+    """A residual join and its ReLU, `relu(x * 2 + x * 3)`, every tensor 64 MiB. Freed before the
+    next op allocates, no moment would hold more than three tensors (the add's two inputs and its
+    output). Grappler's estimate, the bench's judge, allocates an op's outputs in the instant its
+    predecessor's inputs are released and counts both: four tensors, 256 MiB, and so does the
+    simulator. At a ResNet-50 block's join this is four stem-sized tensors that no plan of swaps
+    can take away: every later forward op depends on the ReLU, so nothing can run between the two
+    (docs/lms.md, "Past the floor": the batch the estimate allows with swaps ends at 1317)."""
+    pytest.importorskip("tensorflow")
+    import tensorflow as tf
+
+    from lms_core.tf.capture import graph_ir
+    from lms_core.tf.estimate import estimate_peak
+
+    n = 16 * MIB  # float32 elements: 64 MiB a tensor
+
+    @tf.function
+    def join_then_relu(x):
+        return tf.reduce_sum(tf.nn.relu(x * 2.0 + x * 3.0))
+
+    concrete = join_then_relu.get_concrete_function(tf.TensorSpec([n], tf.float32))
+    grappler = estimate_peak(concrete.graph.as_graph_def(), concrete, 1 << 40).device_bytes
+    graph = analyzed(graph_ir(concrete.graph))
+    simulated = simulate(graph, Plan(settings={}), unit_costs(graph), INFINITE).peak_device_bytes
+    assert grappler == pytest.approx(4 * 64 * MIB, abs=MIB)
+    assert simulated == pytest.approx(4 * 64 * MIB, abs=MIB)
+
+
 def test_swapin_ahead_holds_the_copy_longer_in_the_simulator_and_changes_nothing_in_grappler():
     """What Grappler cannot see: a swap-in triggered earlier holds its buffer longer on a GPU (the
     _Recv allocates it as soon as the host sends), so the simulator's peak grows with swapin_ahead;

@@ -130,7 +130,7 @@ def test_yaml_syntax_error_shows_the_line(recipe_file):
     ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  dropout: 1.0\n", "model.dropout: must be in [0, 1)"),
     ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  labels: 0\n", "model.labels: must be >= 1"),
     ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  depth: 4\n", "unknown key 'model.depth'"),
-    ("model:\n  name: unet3d\n  input_shape: [32, 32, 32, 4]\n  batch_norm: true\n", "unknown key 'model.batch_norm'"),
+    ("model:\n  name: resnet50\n  batch_norm: true\n", "model.batch_norm: expected a string, got bool True"),
     ("distributed:\n  hosts: a:1\n  hostfile: h.txt\n", "distributed.hosts: give hosts or hostfile, not both"),
     ("train:\n  steps: 3\nlogging:\n  skip_steps: 3\n", "logging.skip_steps: must be below train.steps"),
 ])

@@ -5,6 +5,7 @@ import keras
 import tensorflow as tf
 
 from launcher.rank.tasks.base import Task, smooth_noise
+from launcher.rank.tasks.fused_batch_norm import with_fused_batch_norm
 
 
 class ResNet50Task(Task):
@@ -21,6 +22,9 @@ class ResNet50Task(Task):
             weights=None, input_shape=tuple(self.model_cfg.input_shape),
             classes=self.model_cfg.classes, classifier_activation=None,
         )
+        if self.model_cfg.batch_norm == "fused":
+            # TF 1.x Keras's batch norm, which the LMS papers' ResNet-50 trained with.
+            model = with_fused_batch_norm(model)
         return model
 
     def smallest_input_shape(self) -> list[int]:

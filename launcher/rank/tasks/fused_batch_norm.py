@@ -39,7 +39,7 @@ class FusedBatchNormalization(layers.BatchNormalization):
         offset = self.beta if self.center else tf.zeros([channels])
         outputs, mean, unbiased_variance = tf.compat.v1.nn.fused_batch_norm(
             x, scale, offset, epsilon=self.epsilon, is_training=True, data_format=FUSED_RANKS[rank])
-        count = tf.cast(tf.size(x) // channels, tf.float32)
+        count = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)  # over 2^31 at large batches
         variance = unbiased_variance * (count - 1.0) / count
         self.moving_mean.assign(self.moving_mean * self.momentum + mean * (1.0 - self.momentum))
         self.moving_variance.assign(self.moving_variance * self.momentum + variance * (1.0 - self.momentum))

@@ -79,6 +79,12 @@ class ModelConfig:
     encoder_layers: int | None = None
     """seq2seq only [4]: encoder LSTM layers, the first bidirectional. At least 1."""
 
+    softmax_samples: int | None = None
+    """seq2seq only [0]: 0 trains the projection to the vocabulary with the full softmax; N > 0 with a
+    sampled softmax over the step's targets and N words drawn per step (Jean et al. 2015; TensorFlow's
+    seq2seq tutorial of the papers' time drew 512), as NMT systems with large vocabularies trained. Less
+    than the vocabulary."""
+
     def __post_init__(self) -> None:
         _one_of("name", self.name, MODELS)
         layout = {"resnet50": "[H, W, C]", "unet3d": "[D, H, W, C]", "seq2seq": "[source length, target length]"}
@@ -128,6 +134,9 @@ class ModelConfig:
         for key in ("embedding", "encoder_layers"):
             if getattr(self, key) < 1:
                 raise SettingError(key, f"must be >= 1; got {getattr(self, key)}")
+        if not 0 <= self.softmax_samples < self.vocabulary - 1:
+            raise SettingError("softmax_samples", f"must be 0 (the full softmax) or between 1 and vocabulary - 2 = "
+                                                  f"{self.vocabulary - 2} words sampled per step; got {self.softmax_samples}")
         if self.units < 2 or self.units % 2:
             raise SettingError("units", f"must be even and >= 2 (the bidirectional first layer has units/2 per "
                                         f"direction); got {self.units}")
@@ -136,7 +145,7 @@ class ModelConfig:
 _MODEL_DEFAULTS = {
     "resnet50": {"classes": 1000, "batch_norm": "keras"},
     "unet3d": {"labels": 3, "levels": 5, "base_filters": 16, "dropout": 0.3},
-    "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4},
+    "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4, "softmax_samples": 0},
 }
 """The keys that belong to one network, and their defaults (ModelConfig's `[...]`)."""
 

@@ -203,7 +203,7 @@ def finish(recipe: Recipe, ctx, setup, result, run_dir: Path, start_step: int) -
                                   result.final_loss, fingerprint)
     everyone = collectives.allgather_object(ctx, mine)
     if ctx.is_root:
-        model_file = checkpoint.save_trained_model(model, run_dir)
+        model_file = checkpoint.save_trained_model(setup.task.trained_model(model), run_dir)
         batch = recipe.train.batch_size
         extra = {
             "model": recipe.model.name, "input_shape": recipe.model.input_shape,

@@ -275,3 +275,43 @@ def test_a_transpose_pair_grappler_folds_is_no_trigger():
     assert transpose_pairs(graph) == {"to_time", "to_batch"}
     # The walk back from the loop's input steps to the lone Transpose, not to the pair's last one.
     assert latest_backward_inputs(graph)["loop_input"] == "alone"
+
+
+def test_a_push_placed_on_the_host_moves_the_whole_list_across_every_iteration():
+    """Why a list is swapped whole, after its loop, and not one element per iteration (Meng et al.'s
+    per-step swapping; TF 1's `while_loop(swap_memory=True)`). Placing the forward body's
+    TensorListPushBack on the host does not park the elements there: the loop variable that carries
+    the list stays on the loop's device (TensorFlow lowers the While with its Enter/Merge/Switch/
+    NextIteration on the While's device), so the executed partitions send the list itself, a
+    variant, to the host and back on every iteration. On a GPU such a copy moves every element the
+    list holds (TensorList's device copy), so per-step swapping needs the loop lowered with the
+    list's own chain on the host, which the rewrite does not do (docs/lms.md, "Recurrent loops")."""
+    from lms_core.tf.gating import executed_partitions
+    from lms_core.tf.reimport import RewrittenStep
+
+    step, specs, _ = tiny_loop_step(COMPUTE)
+    x = tf.reshape(tf.range(BATCH * UNITS, dtype=tf.float32) / 10, [BATCH, UNITS])
+    concrete = step.get_concrete_function(*specs)
+    graph_def = concrete.graph.as_graph_def()
+    renamed = {}
+    for function in graph_def.library.function:
+        pushes = [node for node in function.node_def if node.op == "TensorListPushBack"]
+        for node in pushes:
+            node.device = HOST
+        if pushes:  # a function changed under its old name would clash with the traced one
+            renamed[function.signature.name] = function.signature.name + "_pushes_on_host"
+            function.signature.name = renamed[function.signature.name]
+    for node in [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]:
+        for value in node.attr.values():
+            if value.HasField("func") and value.func.name in renamed:
+                value.func.name = renamed[value.func.name]
+    assert renamed  # the forward body pushes
+
+    moved = RewrittenStep(concrete, graph_def, planning=None, compute_device=COMPUTE, host_device=HOST)
+    sends = [node for partition in executed_partitions(moved, x) for node in partition.node if node.op == "_Send"]
+    variants_to_host = [n for n in sends if n.attr["T"].type == tf.variant.as_datatype_enum
+                        and n.attr["recv_device"].s.decode().endswith("CPU:0")]
+    variants_back = [n for n in sends if n.attr["T"].type == tf.variant.as_datatype_enum
+                     and n.attr["recv_device"].s.decode().endswith("CPU:1")
+                     and "TensorListPushBack" in n.attr["tensor_name"].s.decode()]
+    assert variants_to_host and variants_back  # inside the loop: once per iteration each way

@@ -64,6 +64,8 @@ def test_the_seq2seq_recipes_are_the_nmt_network_and_its_cpu_twin():
     ("model.vocabulary=2", "model.vocabulary"),
     ("model.encoder_layers=0", "model.encoder_layers"),
     ("model.classes=10", "model.classes"),
+    ("model.softmax_samples=-1", "model.softmax_samples"),
+    ("model.softmax_samples=999", "model.softmax_samples"),  # of 1000 words: 998 at most, the target aside
 ])
 def test_a_broken_seq2seq_field_names_its_key(override, key):
     with pytest.raises(RecipeError) as err:

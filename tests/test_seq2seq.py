@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import lms_core.tf as lms_tf
 from launcher.config import ModelConfig
-from launcher.rank.tasks.seq2seq import PAD, START, copy_task_batch, masked_cross_entropy, seq2seq
+from launcher.rank.tasks.seq2seq import PAD, START, SampledSoftmax, copy_task_batch, masked_cross_entropy, seq2seq
 from lms_core.config import LMSConfig
 from lms_core.loops import WHILE_TYPES, accumulators
 from lms_core.tf.gating import verify_gating
@@ -39,29 +39,92 @@ def test_the_loss_counts_only_the_tokens_that_are_not_padding():
     np.testing.assert_allclose(float(masked_cross_entropy(labels, logits)), expected, rtol=1e-6)
 
 
-def build(device: str, vocabulary: int = VOCABULARY, layers: int = LAYERS):
+def test_the_sampled_softmax_loss_by_hand():
+    """Jean et al.'s sampled softmax, computed here in numpy: each real token's logit for its target
+    and for the sampled words, each less the log of its expected count under the sampler; a sampled
+    word that is the token's own target (an "accidental hit") drops out; padding counts nothing."""
+    vocabulary, units = 7, 3
+    rng = np.random.default_rng(3)
+    layer = SampledSoftmax(vocabulary, samples=3)
+    layer.build((1, 3, units))
+    kernel, bias = rng.normal(size=(vocabulary, units)), rng.normal(size=vocabulary)
+    layer.kernel.assign(kernel.astype(np.float32))
+    layer.bias.assign(bias.astype(np.float32))
+    states = rng.normal(size=(1, 3, units)).astype(np.float32)
+    labels = np.array([[3, 5, PAD]], np.int32)
+    candidates, target_counts, candidate_counts = [1, 5, 6], [0.5, 0.25, 0.1], [0.2, 0.25, 0.3]
+
+    def token_loss(h, target, target_count):
+        true = kernel[target] @ h + bias[target] - np.log(target_count)
+        others = [kernel[c] @ h + bias[c] - np.log(q) for c, q in zip(candidates, candidate_counts) if c != target]
+        return -true + np.log(np.exp(true) + np.sum(np.exp(others)))
+
+    # Token 2 is padding; token 1's target (5) was also sampled: an accidental hit.
+    expected = (token_loss(states[0, 0], 3, 0.5) + token_loss(states[0, 1], 5, 0.25)) / 2
+    sampled = (tf.constant(candidates, tf.int64), tf.constant(target_counts, shape=[3, 1]),
+               tf.constant(candidate_counts))
+    np.testing.assert_allclose(float(layer.loss(tf.constant(labels), tf.constant(states), sampled)), expected, rtol=1e-5)
+    # Its full logits, the saved model's output, are the plain projection.
+    np.testing.assert_allclose(layer(tf.constant(states)).numpy(), states @ kernel.T + bias, rtol=1e-5, atol=1e-6)
+
+
+def build(device: str, vocabulary: int = VOCABULARY, layers: int = LAYERS, softmax_samples: int = 0):
     keras.utils.set_random_seed(0)
     with tf.device(device):
-        model = seq2seq(SOURCE, TARGET, vocabulary, EMBEDDING, UNITS, layers)
+        model = seq2seq(SOURCE, TARGET, vocabulary, EMBEDDING, UNITS, layers, softmax_samples)
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
         optimizer.build(model.trainable_variables)
+    loss = model.sampled_softmax.loss if softmax_samples else masked_cross_entropy
 
     @tf.function
     def step(inputs, labels):
         with tf.GradientTape() as tape:
-            loss = masked_cross_entropy(labels, model(inputs, training=True))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss
+            value = loss(labels, model(inputs, training=True))
+        optimizer.apply(tape.gradient(value, model.trainable_variables), model.trainable_variables)
+        return value
 
     return model, step
 
 
+def test_a_sampled_softmax_step_holds_no_vocabulary_sized_tensor():
+    """What the sampled softmax is for: the full softmax's step makes B x T x V float32 tensors (the
+    logits and their gradient), the sampled one none: its largest loss tensors are B x T x (samples + 1)
+    scores. Sizes read from the traced step's own shapes."""
+    batch, vocabulary = 8, 4000
+    logits_bytes = batch * TARGET * vocabulary * 4
+    specs = (tf.TensorSpec([batch, SOURCE + TARGET], tf.int32), tf.TensorSpec([batch, TARGET], tf.int32))
+
+    def vocabulary_sized(samples):
+        _, step = build("/device:CPU:0", vocabulary=vocabulary, layers=1, softmax_samples=samples)
+        graph = lms_tf.trace_step(step, *specs).graph
+        return {f"{op.name}:{i}" for op in graph.ops.values() for i, out in enumerate(op.outputs)
+                if (out.nbytes or 0) >= logits_bytes and out.tensor_list is None}
+
+    assert len(vocabulary_sized(0)) >= 2
+    assert vocabulary_sized(20) == set()
+
+
 def test_lms_swaps_every_loops_accumulators_gated_and_training_is_unchanged_on_split_devices():
+    check_lms_on_split_devices(softmax_samples=0)
+
+
+def test_with_a_sampled_softmax_too_lms_swaps_the_loops_and_the_model_learns():
+    """The same checks with the sampled softmax (its sampler is a stateful random op, seeded: the
+    swapped step draws the same words as the unswapped one). And the model learns the copy task: its
+    full-softmax loss, which training never computes, falls."""
+    model = check_lms_on_split_devices(softmax_samples=20, steps=6)
     batch = copy_task_batch(3, SOURCE, TARGET, VOCABULARY, seed=7)
-    model_a, step_a = build(COMPUTE)
+    initial, _ = build(COMPUTE, softmax_samples=20)
+    full_loss = [float(masked_cross_entropy(batch[1], m.sampled_softmax(m(batch[0])))) for m in (initial, model)]
+    assert full_loss[1] < full_loss[0]
+
+
+def check_lms_on_split_devices(softmax_samples: int, steps: int = 3):
+    batch = copy_task_batch(3, SOURCE, TARGET, VOCABULARY, seed=7)
+    model_a, step_a = build(COMPUTE, softmax_samples=softmax_samples)
     with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, step_b = build(COMPUTE)
+        expected = [float(step_a(*batch)) for _ in range(steps)]
+    model_b, step_b = build(COMPUTE, softmax_samples=softmax_samples)
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in batch]
     rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
     graph = rewritten.planning.graph
@@ -78,19 +141,43 @@ def test_lms_swaps_every_loops_accumulators_gated_and_training_is_unchanged_on_s
         assert accumulator.tensor in {s.tensor for s in rewritten.plan.swaps} or (
             "loop accumulator" in reasons[accumulator.tensor])
 
-    losses = [float(rewritten(*batch)) for _ in range(3)]
+    losses = [float(rewritten(*batch)) for _ in range(steps)]
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
-    assert losses[-1] < losses[0]
+    if not softmax_samples:  # a sampled loss scores other words each step: it need not fall step by step
+        assert losses[-1] < losses[0]
     for a, b in zip(model_a.variables, model_b.variables):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-6, err_msg=a.path)
     report = verify_gating(rewritten, *batch)
     swap_ins = rewritten.plan.swap_in_count
     assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.verification().first_failure()
+    return model_b
+
+
+def test_a_run_with_a_sampled_softmax_saves_a_model_that_gives_the_full_logits(tmp_path):
+    """Training holds the projection in the loss; model.keras ends at it, with the trained weights."""
+    from launcher.config import Recipe
+    from launcher.rank.checkpoint import save_trained_model
+    from launcher.rank.tasks import build_task
+
+    recipe = Recipe(model=ModelConfig(name="seq2seq", input_shape=[SOURCE, TARGET], vocabulary=VOCABULARY,
+                                      embedding=EMBEDDING, units=UNITS, encoder_layers=LAYERS, softmax_samples=20))
+    task = build_task(recipe)
+    model = task.build_model()
+    projection = model.sampled_softmax
+    assert any(v is projection.kernel for v in model.trainable_variables)  # trained and broadcast with the rest
+    inputs, labels = copy_task_batch(2, SOURCE, TARGET, VOCABULARY, seed=1)
+    states = model(inputs)
+    assert states.shape == (2, TARGET, UNITS)
+    by_hand = states.numpy() @ projection.kernel.numpy().T + projection.bias.numpy()
+    saved = keras.saving.load_model(save_trained_model(task.trained_model(model), tmp_path))
+    np.testing.assert_allclose(saved(inputs).numpy(), by_hand, rtol=1e-5, atol=1e-5)
+    assert saved(inputs).shape == (2, TARGET, VOCABULARY)
 
 
 def test_the_model_config_takes_the_seq2seq_keys_with_nmt_defaults():
     config = ModelConfig(name="seq2seq", input_shape=[50, 50])
     assert (config.vocabulary, config.embedding, config.units, config.encoder_layers) == (32000, 512, 1024, 4)
+    assert config.softmax_samples == 0  # the full softmax unless a sampled one is asked for
 
 
 def test_at_the_loss_the_simulator_holds_the_vocabulary_sized_buffers_grappler_holds(monkeypatch):

@@ -103,9 +103,9 @@ def probe_lms(setting: EstimateSetting, size: int, target: Target | None = None)
     started = time.perf_counter()
     target = target or setting.target
     sized = setting.source.at(size)
-    rewritten = lms_tf.rewrite(sized.step, *sized.specs, config=setting.lms, compute_device=COMPUTE_DEVICE,
-                               host_device=HOST_DEVICE, target=target)
-    estimate = lms_tf.estimate_rewrite(rewritten, setting.device_memory_bytes)
+    rewritten, estimate = lms_tf.rewrite_within_estimate(
+        sized.step, *sized.specs, config=setting.lms, compute_device=COMPUTE_DEVICE, host_device=HOST_DEVICE,
+        target=target)  # its device memory is the setting's (lms.device_memory, set by the bench)
     report = rewritten.report.with_estimate(estimate)
     plan, prediction = report.plan, report.prediction
     detail = f"{len(plan.swaps)} swap(s), {format_bytes(plan.swapped_bytes)} to host"

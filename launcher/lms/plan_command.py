@@ -110,10 +110,11 @@ def make_plan(recipe: Recipe):
     for line in lines:
         say(line)
     say("tracing the training step, then planning" + (" (auto-tuning by simulation)" if tunes(lms, target) else ""))
-    rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=lms, compute_device="/device:GPU:0",
-                               host_device="/device:CPU:0", target=target, describe_memory=True)
-    say(f"{rewritten.plan.summary()}; estimating peak memory with Grappler")
-    report = rewritten.report.with_estimate(lms_tf.estimate_rewrite(rewritten, target.device_memory_bytes))
+    rewritten, estimate = lms_tf.rewrite_within_estimate(
+        setup.step, *setup.specs, config=lms, compute_device="/device:GPU:0", host_device="/device:CPU:0",
+        target=target, describe_memory=True)
+    say(f"{rewritten.plan.summary()}; peak memory estimated with Grappler")
+    report = rewritten.report.with_estimate(estimate)
     if rewritten.plan.swaps or rewritten.plan.control_edges:
         say("checking that every swap-in waits for its trigger in what TensorFlow executes (the same step at its "
             "smallest input, on split CPU devices)")

@@ -70,18 +70,19 @@ def plan_and_check(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContex
 
     # describe_memory: the plan's device memory as TensorFlow's allocator holds it (the model of
     # lms_core.memory) goes into the rank's plan, next to which the run's measured peak is logged.
-    rewrite = functools.partial(lms_tf.rewrite, step, *specs, config=lms, compute_device=f"/device:{ctx.device}",
-                                host_device=HOST_DEVICE, describe_memory=True)
-    rewritten = rewrite(target=target)
+    # Planned again where Grappler's estimate, which the log says "fits" by, disagrees with the tuner.
+    rewrite = functools.partial(lms_tf.rewrite_within_estimate, step, *specs, config=lms,
+                                compute_device=f"/device:{ctx.device}", host_device=HOST_DEVICE, describe_memory=True)
+    rewritten, estimate = rewrite(target=target)
     # Profiled steps run the step's collectives, so every rank profiles or none does.
     if lms.measure_ops and all_ranks(ctx, on_gpu):
         times = measure_op_times(rewritten, specs, ctx.device, list(variables), lms.profile_steps)
         lines.append(f"lms.measure_ops: {times.describe()}; re-planning with them")
-        rewritten = rewrite(target=dataclasses.replace(target, measured_op_seconds=times.seconds))
+        rewritten, estimate = rewrite(target=dataclasses.replace(target, measured_op_seconds=times.seconds))
     elif lms.measure_ops:
         lines.append("lms.measure_ops: not every rank computes on a GPU, and CPU op times say nothing about the "
                      "GPU planned for; kept the cost model")
-    report = rewritten.report.with_estimate(lms_tf.estimate_rewrite(rewritten, target.device_memory_bytes))
+    report = rewritten.report.with_estimate(estimate)
     return rewritten, report.with_verification(verify(rewritten, specs, ctx.device))
 
 

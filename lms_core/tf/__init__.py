@@ -6,6 +6,7 @@
     rewritten.plan                     # what was swapped, and why other tensors were not
     rewritten.report                   # the plan with its target and prediction (lms_core.report)
     lms_core.tf.estimate_rewrite(rewritten, 16 << 30)              # Grappler's peaks, without and with
+    rewritten, estimate = lms_core.tf.rewrite_within_estimate(...)  # both, planned again until both fit
     lms_core.tf.gating.verify_gating(rewritten, images, labels)   # proven on the executed partitions
 
 It traces the step, describes its graph in the framework-neutral IR, hands it to
@@ -13,6 +14,7 @@ It traces the step, describes its graph in the framework-neutral IR, hands it to
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lms_core.add_chains import with_add_chains
@@ -23,7 +25,8 @@ from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
 from lms_core.report import MemoryEstimate, PlanReport
 from lms_core.planner import device_kind
-from lms_core.planning import Planning, Target, plan_graph
+from lms_core.planning import Planning, Target, plan_graph, tunes
+from lms_core.units import format_bytes
 from lms_core.tf.apply import Placement, apply_plan, host_ops
 from lms_core.tf.capture import graph_ir, trace
 from lms_core.tf.estimate import PeakEstimate, estimate_peak
@@ -77,6 +80,68 @@ def rewrite(step, *input_specs, config: LMSConfig, compute_device: str = "/devic
     return _applied(traced, planning, compute_device, host_device, placement)
 
 
+#: How many times `rewrite_within_estimate` plans again, each for a budget lowered by the last overshoot.
+REPLANS = 3
+
+
+def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_device: str, host_device: str,
+                            target: Target, describe_memory: bool = False) -> tuple[RewrittenStep, MemoryEstimate]:
+    """`rewrite` for `target`, and Grappler's estimate of the result (`estimate_rewrite`), planned again
+    where the two models disagree. The tuner judges a plan by its simulator against device memory x
+    `lms.memory_ratio`; the estimate, which says "fits" in `plan`, the bench and a rank's log, counts
+    otherwise (its copies take no time; it adds the loop lists a plan keeps at its own peak). Where the
+    tuner's plan fits its budget and the estimate puts it over the device memory, the tuner plans
+    again for a budget lowered by that overshoot (and again, by the next overshoot, up to REPLANS
+    times), and the first plan that fits both (the estimate, and the simulator against the recipe's
+    budget) is kept; a re-plan that does not lower the estimate ends the search (no plan of swaps
+    passes some floors, docs/lms.md). Each try costs a plan and an estimate; with none that fits both,
+    the tuner's first plan is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and `estimate_rewrite`."""
+    check_device("compute_device", compute_device)
+    check_device("host_device", host_device)
+    traced = trace_step(step, *input_specs)
+    device_memory = target.device_memory_bytes
+
+    def planned(settings: LMSConfig) -> tuple[RewrittenStep, MemoryEstimate]:
+        planning = plan_graph(traced.graph, settings, compute_device, traced.data_inputs, target, describe_memory)
+        rewritten = _applied(traced, planning, compute_device, host_device, Placement.GATED_ON_HOST)
+        return rewritten, estimate_rewrite(rewritten, device_memory)
+
+    budget = int(device_memory * config.memory_ratio)
+
+    def simulated_fits(rewritten: RewrittenStep) -> bool:  # the tuner's verdict against the recipe's budget
+        simulation = rewritten.planning.simulation
+        return simulation is None or simulation.peak_device_bytes <= budget
+
+    tries = [planned(config)]
+    if not tunes(config, target):
+        return tries[0]
+    ratio, notes = config.memory_ratio, []
+    while len(tries) <= REPLANS:
+        rewritten, estimate = tries[-1]
+        if estimate.lms_fits and simulated_fits(rewritten):
+            break
+        if not simulated_fits(tries[0][0]):
+            break  # the tuner's own plan is over: a smaller budget cannot help
+        ratio -= (estimate.lms_bytes - device_memory) / device_memory
+        if estimate.lms_fits or ratio <= 0:
+            break
+        notes.append(f"the estimate put the plan at {format_bytes(estimate.lms_bytes)}: re-planned for a budget of "
+                     f"{format_bytes(int(device_memory * ratio))}")
+        tries.append(planned(dataclasses.replace(config, memory_ratio=ratio)))
+        if tries[-1][1].lms_bytes >= estimate.lms_bytes:
+            break
+    both = [t for t in tries if t[1].lms_fits and simulated_fits(t[0])]
+    rewritten, estimate = both[0] if both else tries[0]
+    if notes:
+        kept = ("kept that plan" if both and rewritten is not tries[0][0]
+                else "none fits both the estimate and the simulated budget: kept the first plan")
+        note = f"{'; '.join(notes)}; {kept}"
+        report = rewritten.planning.report
+        report = dataclasses.replace(report, tuning=f"{report.tuning}; {note}" if report.tuning else note)
+        rewritten.planning = dataclasses.replace(rewritten.planning, report=report)
+    return rewritten, estimate
+
+
 def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_device: str) -> RewrittenStep:
     """Traces `step` and applies a plan made elsewhere (for instance on the same model traced at
     another batch size: op names do not depend on shapes). Raises ValueError naming the first op the
@@ -115,5 +180,6 @@ def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> Memo
 
 
 __all__ = ["Target", "Planning", "TracedStep", "Placement", "estimate_rewrite", "estimate_peak", "PeakEstimate",
-           "RewrittenStep", "LMSConfig", "Plan", "analyze", "plan_step", "rewrite", "rewrite_with_plan", "trace",
+           "RewrittenStep", "LMSConfig", "Plan", "analyze", "plan_step", "rewrite", "rewrite_within_estimate",
+           "rewrite_with_plan", "trace",
            "trace_step", "graph_ir", "apply_plan"]

@@ -32,7 +32,13 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-        """Scalar float32 loss of one batch; `outputs` are the model's raw logits."""
+        """Scalar float32 loss of one batch; `outputs` are the model's outputs: raw logits, or for a
+        sampled softmax the states the loss projects (seq2seq)."""
+
+    def trained_model(self, model: "tf.keras.Model") -> "tf.keras.Model":
+        """What a run saves as model.keras: the network that gives the task's logits. The trained model
+        itself, unless its loss holds a part of the network (seq2seq's sampled softmax)."""
+        return model
 
     @abc.abstractmethod
     def label_spec(self, batch_size: int) -> tf.TensorSpec:

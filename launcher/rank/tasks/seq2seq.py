@@ -7,9 +7,17 @@ The network, as NMT systems of the paper's time built it:
   decoder is a `While` loop on any device (no cuDNN kernel exists for it), and so are the encoder's
   LSTMs on a CPU; their per-step activations reach the backward pass as loop accumulators, which
   LMS swaps (lms_core.loops);
-- a projection to the (large) vocabulary after the loop, over all target steps at once;
+- a projection to the (large) vocabulary after the loop, over all target steps at once, trained
+  either with the full softmax (`model.softmax_samples: 0`) or with a sampled softmax (Jean et al.
+  2015; TensorFlow's own seq2seq translation tutorial of the papers' time sampled 512 words of 40,000),
+  which scores the step's targets and a few sampled words instead of the whole vocabulary;
 - teacher forcing: the decoder reads the target shifted right, after a start token;
 - masked cross-entropy: padding (token 0) counts for nothing.
+
+The full softmax's logits and their gradient, B x T x vocabulary each, are one op's inputs and
+outputs, so no swap can move them: at 32,000 words they cap what LMS can reach (README, "The papers'
+tables"). With a sampled softmax the loss holds B x T x (samples + 1) scores instead, and what the
+recurrent loops keep for the backward pass, which LMS swaps, is most of the step's memory.
 
 One input tensor per sample carries both token sequences, int32 [source_length + target_length]: the
 source, then the decoder's input; the labels are the target tokens, int32 [target_length].
@@ -61,12 +69,88 @@ class AttentionLSTMCell(layers.Layer):
                 "memory_width": self.memory_width}
 
 
+@keras.saving.register_keras_serializable(package="lms_launch")
+class TokenSlice(layers.Layer):
+    """Tokens [start, stop) of every sample: the source or the decoder's input from the one input
+    tensor. A layer of its own, not a Lambda, so that model.keras loads in Keras's safe mode."""
+
+    def __init__(self, start: int, stop: int, **kwargs):
+        super().__init__(**kwargs)
+        self.start, self.stop = start, stop
+
+    def call(self, tokens):
+        return tokens[:, self.start:self.stop]
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], self.stop - self.start)
+
+    def get_config(self):
+        return {**super().get_config(), "start": self.start, "stop": self.stop}
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class ZeroState(layers.Layer):
+    """Zeros [B, units] shaped like one step of the encoder's outputs [B, S, units]: a start state."""
+
+    def call(self, memory):
+        return tf.zeros_like(memory[:, 0, :])
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[2])
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class SampledSoftmax(layers.Layer):
+    """The projection to the vocabulary, trained by a sampled softmax (Jean et al. 2015).
+
+    Its weights are laid out [vocabulary, units], one row per word, so that the loss gathers the rows
+    of the step's targets and of the sampled words without transposing the whole matrix every step.
+    `call` gives the full logits, for evaluation; training calls `loss`. Words are sampled from
+    TensorFlow's log-uniform (Zipfian) sampler, which assumes word ids sorted by frequency, as
+    vocabularies built from a corpus are, and the loss corrects for the sampling probabilities."""
+
+    def __init__(self, vocabulary: int, samples: int, **kwargs):
+        super().__init__(**kwargs)
+        self.vocabulary, self.samples = vocabulary, samples
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(self.vocabulary, input_shape[-1]), initializer="glorot_uniform",
+                                      name="kernel")
+        self.bias = self.add_weight(shape=(self.vocabulary,), initializer="zeros", name="bias")
+        self.built = True
+
+    def call(self, states):
+        return tf.einsum("btu,vu->btv", states, self.kernel) + self.bias
+
+    def loss(self, labels: tf.Tensor, states: tf.Tensor, sampled=None) -> tf.Tensor:
+        """Mean sampled-softmax cross-entropy over the target tokens that are not padding; states are
+        the decoder's outputs [B, T, units], labels [B, T]. `sampled`: the sampler's (candidates,
+        expected count of each target, expected count of each candidate), drawn here when not given."""
+        states = tf.cast(states, tf.float32)
+        targets = tf.reshape(tf.cast(labels, tf.int64), [-1, 1])
+        if sampled is None:
+            sampled = tf.random.log_uniform_candidate_sampler(
+                targets, num_true=1, num_sampled=self.samples, unique=True, range_max=self.vocabulary)[:3]
+        per_token = tf.nn.sampled_softmax_loss(
+            weights=self.kernel, biases=self.bias, labels=targets, inputs=tf.reshape(states, [-1, states.shape[-1]]),
+            num_sampled=self.samples, num_classes=self.vocabulary, sampled_values=sampled)
+        mask = tf.cast(tf.not_equal(tf.reshape(labels, [-1]), PAD), tf.float32)
+        return tf.reduce_sum(per_token * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+    def get_config(self):
+        return {**super().get_config(), "vocabulary": self.vocabulary, "samples": self.samples}
+
+
 def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: int, units: int,
-            encoder_layers: int) -> keras.Model:
-    """The network for one input of [source_length + target_length] tokens; logits [T, vocabulary]."""
+            encoder_layers: int, softmax_samples: int = 0) -> keras.Model:
+    """The network for one input of [source_length + target_length] tokens; logits [T, vocabulary].
+
+    With `softmax_samples` > 0 the model ends at the decoder's outputs [T, units] and carries its
+    projection to the vocabulary as `model.sampled_softmax` (a `SampledSoftmax`), which the loss
+    calls: its weights are the model's (trained, broadcast and checkpointed with the rest)."""
     tokens = keras.Input((source_length + target_length,), dtype="int32", name="tokens")
-    source = layers.Lambda(lambda t: t[:, :source_length], name="source")(tokens)
-    decoder_input = layers.Lambda(lambda t: t[:, source_length:], name="decoder_input")(tokens)
+    source = TokenSlice(0, source_length, name="source")(tokens)
+    decoder_input = TokenSlice(source_length, source_length + target_length, name="decoder_input")(tokens)
 
     x = layers.Embedding(vocabulary, embedding, name="source_embedding")(source)
     x = layers.Bidirectional(layers.LSTM(units // 2, return_sequences=True), name="encoder_0")(x)
@@ -76,13 +160,18 @@ def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: 
         state = [h, c]
     memory = x  # [B, S, units]
     if state is None:  # one encoder layer: start the decoder from zeros
-        zeros = layers.Lambda(lambda m: tf.zeros_like(m[:, 0, :]), name="zero_state")(memory)
+        zeros = ZeroState(name="zero_state")(memory)
         state = [zeros, zeros]
-    fed = layers.Lambda(lambda m: tf.zeros_like(m[:, 0, :]), name="first_attentional")(memory)
+    fed = ZeroState(name="first_attentional")(memory)
 
     y = layers.Embedding(vocabulary, embedding, name="target_embedding")(decoder_input)
     cell = AttentionLSTMCell(units, source_length, units, name="attention_cell")
     y = layers.RNN(cell, return_sequences=True, name="decoder")(y, initial_state=[*state, fed, memory])
+    if softmax_samples:
+        model = keras.Model(tokens, y, name="seq2seq")
+        model.sampled_softmax = SampledSoftmax(vocabulary, softmax_samples, name="projection")
+        model.sampled_softmax.build((None, target_length, units))
+        return model
     logits = layers.Dense(vocabulary, name="projection")(y)
     return keras.Model(tokens, logits, name="seq2seq")
 
@@ -120,6 +209,10 @@ def copy_task_batch(batch: int, source_length: int, target_length: int, vocabula
 class Seq2SeqTask(Task):
     record_kind = "sequences"
 
+    def __init__(self, recipe):
+        super().__init__(recipe)
+        self._sampled_softmax: SampledSoftmax | None = None  # the built model's, with model.softmax_samples
+
     @property
     def label_count(self) -> int:
         return self.model_cfg.vocabulary
@@ -134,11 +227,22 @@ class Seq2SeqTask(Task):
 
     def build_model(self) -> keras.Model:
         cfg = self.model_cfg
-        return seq2seq(self.source_length, self.target_length, cfg.vocabulary, cfg.embedding, cfg.units,
-                       cfg.encoder_layers)
+        model = seq2seq(self.source_length, self.target_length, cfg.vocabulary, cfg.embedding, cfg.units,
+                        cfg.encoder_layers, cfg.softmax_samples)
+        self._sampled_softmax = getattr(model, "sampled_softmax", None)
+        return model
 
     def loss(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        if self._sampled_softmax is not None:  # outputs are the decoder's states
+            return self._sampled_softmax.loss(labels, outputs)
         return masked_cross_entropy(labels, outputs)
+
+    def trained_model(self, model: keras.Model) -> keras.Model:
+        softmax = getattr(model, "sampled_softmax", None)
+        if softmax is None:
+            return model
+        # The same weights, ending at the full projection: what translation needs.
+        return keras.Model(model.input, softmax(model.output), name=model.name)
 
     def input_spec(self, batch_size: int) -> tf.TensorSpec:
         return tf.TensorSpec([batch_size, self.source_length + self.target_length], tf.int32, name="inputs")

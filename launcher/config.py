@@ -6,6 +6,7 @@ Checks that span sections live in `Recipe.__post_init__` and name full key paths
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -85,6 +86,13 @@ class ModelConfig:
     seq2seq tutorial of the papers' time drew 512), as NMT systems with large vocabularies trained. Less
     than the vocabulary."""
 
+    steps_per_loop: int | None = None
+    """seq2seq only [0]: 0 runs every recurrent layer as one loop over its whole sequence. N > 0 runs
+    it as consecutive loops of N steps, each from the state the last one ended with: the same
+    computation, but each loop keeps only its own steps' activations for the backward pass, so LMS
+    swaps them a chunk at a time and the largest set back on the device at once shrinks with N
+    (README, "The papers' tables"). The decoder may run at most 5 loops: N >= target length / 5."""
+
     def __post_init__(self) -> None:
         _one_of("name", self.name, MODELS)
         layout = {"resnet50": "[H, W, C]", "unet3d": "[D, H, W, C]", "seq2seq": "[source length, target length]"}
@@ -134,6 +142,17 @@ class ModelConfig:
         for key in ("embedding", "encoder_layers"):
             if getattr(self, key) < 1:
                 raise SettingError(key, f"must be >= 1; got {getattr(self, key)}")
+        if self.steps_per_loop < 0:
+            raise SettingError("steps_per_loop", f"must be 0 (one loop per layer) or a number of time steps; "
+                                                 f"got {self.steps_per_loop}")
+        target = self.input_shape[1]
+        if self.steps_per_loop and math.ceil(target / self.steps_per_loop) > MAX_DECODER_LOOPS:
+            raise SettingError(
+                "steps_per_loop",
+                f"gives the decoder {math.ceil(target / self.steps_per_loop)} loops over {target} target steps; at most "
+                f"{MAX_DECODER_LOOPS}, so use {math.ceil(target / MAX_DECODER_LOOPS)} or more (each loop reads the "
+                f"encoder's outputs, and with more of them TensorFlow sums their gradients differently at a large "
+                f"batch than on the small twin the gating check runs: launcher/rank/tasks/seq2seq.py)")
         if not 0 <= self.softmax_samples < self.vocabulary - 1:
             raise SettingError("softmax_samples", f"must be 0 (the full softmax) or between 1 and vocabulary - 2 = "
                                                   f"{self.vocabulary - 2} words sampled per step; got {self.softmax_samples}")
@@ -142,10 +161,14 @@ class ModelConfig:
                                         f"direction); got {self.units}")
 
 
+MAX_DECODER_LOOPS = 5
+"""seq2seq: the most loops `steps_per_loop` may give the decoder (why: launcher/rank/tasks/seq2seq.py)."""
+
 _MODEL_DEFAULTS = {
     "resnet50": {"classes": 1000, "batch_norm": "keras"},
     "unet3d": {"labels": 3, "levels": 5, "base_filters": 16, "dropout": 0.3},
-    "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4, "softmax_samples": 0},
+    "seq2seq": {"vocabulary": 32000, "embedding": 512, "units": 1024, "encoder_layers": 4, "softmax_samples": 0,
+                "steps_per_loop": 0},
 }
 """The keys that belong to one network, and their defaults (ModelConfig's `[...]`)."""
 

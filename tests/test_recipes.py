@@ -66,6 +66,8 @@ def test_the_seq2seq_recipes_are_the_nmt_network_and_its_cpu_twin():
     ("model.classes=10", "model.classes"),
     ("model.softmax_samples=-1", "model.softmax_samples"),
     ("model.softmax_samples=999", "model.softmax_samples"),  # of 1000 words: 998 at most, the target aside
+    ("model.steps_per_loop=-1", "model.steps_per_loop"),
+    ("model.steps_per_loop=4", "model.steps_per_loop"),  # 24 target steps: 6 decoder loops, 5 at most
 ])
 def test_a_broken_seq2seq_field_names_its_key(override, key):
     with pytest.raises(RecipeError) as err:

@@ -5,6 +5,7 @@ decoder's) are swapped, every swap-in is gated, and training matches the unswapp
 from __future__ import annotations
 
 import keras
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -236,3 +237,115 @@ def test_tokens_per_second_counts_the_real_target_tokens_not_the_padding():
                               end_time_s=0.0,
                               tokens_per_sec=rate) for s, n, rate in ((3, 3, 100.0), (4, 1, 300.0))]
     assert summarize_rank(0, "h", "CPU:0", records, 1.0, 1.0, "x").tokens_per_sec == 150.0
+
+
+def test_recurrent_layers_in_chunks_compute_the_same_loss_and_gradients():
+    """`steps_per_loop` runs each recurrent layer as consecutive loops over chunks of its steps. The
+    reference is the model with one loop per layer, its weights copied across by name: the same loss
+    and the same gradients (the chunked Bidirectional's two LSTMs are `encoder_0_forward` and
+    `encoder_0_backward` there)."""
+    keras.utils.set_random_seed(0)
+    whole = seq2seq(SOURCE + 1, TARGET, VOCABULARY, EMBEDDING, UNITS, 3)
+    chunked = seq2seq(SOURCE + 1, TARGET, VOCABULARY, EMBEDDING, UNITS, 3, steps_per_loop=2)
+
+    def name(path):
+        return path.replace("encoder_0/forward_lstm", "encoder_0_forward").replace("encoder_0/backward_lstm",
+                                                                                     "encoder_0_backward")
+
+    reference = {name(v.path): v for v in whole.weights}
+    assert sorted(reference) == sorted(v.path for v in chunked.weights)
+    for variable in chunked.weights:
+        variable.assign(reference[variable.path])
+    inputs, labels = copy_task_batch(3, SOURCE + 1, TARGET, VOCABULARY, seed=1)
+    with tf.GradientTape(persistent=True) as tape:
+        losses = [masked_cross_entropy(labels, model(inputs)) for model in (whole, chunked)]
+    expected = dict(zip((name(v.path) for v in whole.trainable_variables),
+                        tape.gradient(losses[0], whole.trainable_variables)))
+    np.testing.assert_allclose(float(losses[1]), float(losses[0]), rtol=1e-6)
+    for variable, gradient in zip(chunked.trainable_variables, tape.gradient(losses[1], chunked.trainable_variables)):
+        np.testing.assert_allclose(tf.convert_to_tensor(gradient).numpy(),
+                                   tf.convert_to_tensor(expected[variable.path]).numpy(), rtol=1e-5, atol=1e-7,
+                                   err_msg=variable.path)
+
+
+def test_each_chunk_is_a_loop_whose_lists_hold_its_own_steps_swapped_gated_and_unchanged():
+    """7 source and 5 target steps in chunks of 2: the bidirectional layer runs 4 loops each way, the
+    second encoder layer 4 and the decoder 3 (by hand: ceil(7/2) and ceil(5/2)); no list holds more
+    than 2 steps. With every list swapped on split devices, training is unchanged and gated."""
+    batch = copy_task_batch(3, SOURCE + 1, TARGET, VOCABULARY, seed=7)
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in batch]
+
+    def build_chunked(device):
+        keras.utils.set_random_seed(0)
+        with tf.device(device):
+            model = seq2seq(SOURCE + 1, TARGET, VOCABULARY, EMBEDDING, UNITS, LAYERS, steps_per_loop=2)
+            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+            optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(inputs, labels):
+            with tf.GradientTape() as tape:
+                loss = masked_cross_entropy(labels, model(inputs, training=True))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            return loss
+
+        return model, step
+
+    model_a, step_a = build_chunked(COMPUTE)
+    with tf.device(COMPUTE):
+        expected = [float(step_a(*batch)) for _ in range(3)]
+    model_b, step_b = build_chunked(COMPUTE)
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    graph = rewritten.planning.graph
+    found = accumulators(graph)
+    loops = {a.forward_loop for a in found}
+    counts = {kind: sum(kind in loop for loop in loops) for kind in ("encoder_0_forward", "encoder_0_backward",
+                                                                    "encoder_1", "decoder")}
+    assert counts == {"encoder_0_forward": 4, "encoder_0_backward": 4, "encoder_1": 4, "decoder": 3}
+    assert len(loops) == 15 and max(graph.tensor(a.tensor).tensor_list.length for a in found) == 2
+    assert {s.tensor.rpartition(":")[0] for s in rewritten.plan.swaps if s.tensor_list is not None} == loops
+
+    losses = [float(rewritten(*batch)) for _ in range(3)]
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    for a, b in zip(model_a.variables, model_b.variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-6, err_msg=a.path)
+    report = verify_gating(rewritten, *batch)
+    assert report.gated == len(report.gates) == rewritten.plan.swap_in_count
+
+
+def test_the_chunked_step_and_its_twin_sum_gradients_alike_at_any_batch():
+    """The gating check runs a plan on the step's smallest twin, which must have the same ops under
+    the same names. TensorFlow's tape sums a tensor's gradients early, once 5 are pending, when they
+    are large (over 128 MiB), that is, at a large batch; with a 6th reader the paper-sized step then
+    has an AddN (and every later AddN renumbered) that the twin lacks. Every decoder loop reads the
+    encoder's outputs, so the config allows the decoder 5 loops. At batch 200,000 those outputs
+    [B, 7, 8] float32 are 42.7 MiB, 5 of them over 128 MiB. Negative control: with 6 decoder loops,
+    the sums differ; the config refuses that."""
+    from launcher.config import Recipe, SettingError
+    from launcher.rank.tasks import build_task
+
+    def gradient_sums(shape, batch):
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        model = seq2seq(*shape, VOCABULARY, EMBEDDING, UNITS, LAYERS, steps_per_loop=2)
+
+        @tf.function
+        def step(inputs, labels):
+            with tf.GradientTape() as tape:
+                loss = masked_cross_entropy(labels, model(inputs, training=True))
+            return tape.gradient(loss, model.trainable_variables)
+
+        specs = (tf.TensorSpec([batch, sum(shape)], tf.int32), tf.TensorSpec([batch, shape[1]], tf.int32))
+        graph = lms_tf.trace_step(step, *specs).graph
+        return {op.name: sorted(op.inputs) for op in graph.ops.values() if op.type == "AddN"}
+
+    def config(target):
+        return ModelConfig(name="seq2seq", input_shape=[SOURCE + 1, target], vocabulary=VOCABULARY,
+                           embedding=EMBEDDING, units=UNITS, encoder_layers=LAYERS, steps_per_loop=2)
+
+    twin_shape = build_task(Recipe(model=config(10))).smallest_input_shape()
+    assert twin_shape == [7, 9]  # by hand: as many chunks of 2 (4 and 5), the last of 1 step
+    assert gradient_sums([7, 10], 200_000) == gradient_sums(twin_shape, 2)
+    assert gradient_sums([7, 12], 200_000) != gradient_sums([7, 11], 2)
+    with pytest.raises(SettingError, match="steps_per_loop: gives the decoder 6 loops over 12 target steps; at most 5"):
+        config(12)

@@ -24,10 +24,13 @@ source, then the decoder's input; the labels are the target tokens, int32 [targe
 """
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 from keras import layers
 
+from launcher.config import MAX_DECODER_LOOPS  # noqa: F401 (the limit the comment above explains)
 from launcher.rank.data.sequences import PAD, START  # token ids with a meaning; words are 2 .. vocabulary-1
 from launcher.rank.tasks.base import Task
 
@@ -142,22 +145,30 @@ class SampledSoftmax(layers.Layer):
 
 
 def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: int, units: int,
-            encoder_layers: int, softmax_samples: int = 0) -> keras.Model:
+            encoder_layers: int, softmax_samples: int = 0, steps_per_loop: int = 0) -> keras.Model:
     """The network for one input of [source_length + target_length] tokens; logits [T, vocabulary].
 
     With `softmax_samples` > 0 the model ends at the decoder's outputs [T, units] and carries its
     projection to the vocabulary as `model.sampled_softmax` (a `SampledSoftmax`), which the loss
-    calls: its weights are the model's (trained, broadcast and checkpointed with the rest)."""
+    calls: its weights are the model's (trained, broadcast and checkpointed with the rest).
+
+    With `steps_per_loop` > 0 every recurrent layer runs as consecutive loops of that many steps, each
+    starting from the state the last one ended with (the backward direction from the end): the same
+    layers, weights and arithmetic, but each loop keeps only its own steps' activations for its own
+    gradient loop (see `recurrent_chunks`)."""
     tokens = keras.Input((source_length + target_length,), dtype="int32", name="tokens")
     source = TokenSlice(0, source_length, name="source")(tokens)
     decoder_input = TokenSlice(source_length, source_length + target_length, name="decoder_input")(tokens)
 
     x = layers.Embedding(vocabulary, embedding, name="source_embedding")(source)
-    x = layers.Bidirectional(layers.LSTM(units // 2, return_sequences=True), name="encoder_0")(x)
+    if steps_per_loop:
+        x = bidirectional_in_chunks(x, units // 2, steps_per_loop, name="encoder_0")
+    else:
+        x = layers.Bidirectional(layers.LSTM(units // 2, return_sequences=True), name="encoder_0")(x)
     state = None
     for index in range(1, encoder_layers):
-        x, h, c = layers.LSTM(units, return_sequences=True, return_state=True, name=f"encoder_{index}")(x)
-        state = [h, c]
+        lstm = layers.LSTM(units, return_sequences=True, return_state=True, name=f"encoder_{index}")
+        x, *state = recurrent_chunks(lstm, time_chunks(x, steps_per_loop, lstm.name), None)
     memory = x  # [B, S, units]
     if state is None:  # one encoder layer: start the decoder from zeros
         zeros = ZeroState(name="zero_state")(memory)
@@ -166,7 +177,12 @@ def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: 
 
     y = layers.Embedding(vocabulary, embedding, name="target_embedding")(decoder_input)
     cell = AttentionLSTMCell(units, source_length, units, name="attention_cell")
-    y = layers.RNN(cell, return_sequences=True, name="decoder")(y, initial_state=[*state, fed, memory])
+    if steps_per_loop:
+        decoder = layers.RNN(cell, return_sequences=True, return_state=True, name="decoder")
+        pieces = time_chunks(y, steps_per_loop, decoder.name)
+        y, *_ = recurrent_chunks(decoder, pieces, [*state, fed], constants=[memory] * len(pieces))
+    else:
+        y = layers.RNN(cell, return_sequences=True, name="decoder")(y, initial_state=[*state, fed, memory])
     if softmax_samples:
         model = keras.Model(tokens, y, name="seq2seq")
         model.sampled_softmax = SampledSoftmax(vocabulary, softmax_samples, name="projection")
@@ -174,6 +190,91 @@ def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: 
         return model
     logits = layers.Dense(vocabulary, name="projection")(y)
     return keras.Model(tokens, logits, name="seq2seq")
+
+
+# Why a sequence is cut into its chunks by one split, and why the decoder runs at most
+# MAX_DECODER_LOOPS loops: TensorFlow's gradient tape sums a tensor's gradients early, once 5 are
+# pending, when they hold over 128 MiB (kMinAggregateCount, kMinAggregateBytes in
+# tensorflow/c/eager/tape.h), that is, at a large batch only. A tensor read by 6 ops or more then
+# gives the paper-sized step an AddN (and renumbers every later one) that its small structural twin,
+# on which the gating check runs the plan (launcher/lms/twin.py), does not have. A split is one
+# reader; the encoder's outputs are read by every decoder loop. (Copies through Keras's Identity
+# layer are the same tensor, and a real copy would be counted as memory by Grappler's estimate.)
+# launcher.config refuses a steps_per_loop that gives the decoder more than MAX_DECODER_LOOPS.
+
+
+def time_chunks(sequence, steps_per_loop: int, name: str) -> list:
+    """`sequence` [B, T, ...] cut into consecutive pieces of `steps_per_loop` steps (the last may be
+    shorter) by one split; the whole sequence, as one piece, at 0."""
+    length = sequence.shape[1]
+    if not steps_per_loop or steps_per_loop >= length:
+        return [sequence]
+    sizes = [min(steps_per_loop, length - start) for start in range(0, length, steps_per_loop)]
+    return TimeSplit(sizes, name=f"{name}_chunks")(sequence)
+
+
+def recurrent_chunks(layer: layers.RNN, pieces: list, initial_state, reverse: bool = False,
+                     constants: list | None = None):
+    """`layer` (return_sequences and return_state set) over consecutive `pieces` of a sequence, each
+    call from the state the previous one ended with: one `While` loop per piece, whose accumulators
+    hold that piece's steps only, so that LMS can park each chunk's activations and bring them back
+    just before that chunk's gradient loop. With `reverse` (a `go_backwards` layer) the pieces run
+    from the last, each backwards, and the outputs come back in forward order. `constants`, one per
+    piece, is a state the cell passes on unchanged (the decoder's encoder outputs), given to each call
+    afresh: Keras cannot run a model that feeds one call's pass-through state (a [S, units] one) into
+    the next. Returns
+    [outputs, *final state]."""
+    outputs, state = [], initial_state
+    order = list(enumerate(pieces))
+    for index, piece in (reversed(order) if reverse else order):
+        if constants is not None:
+            state = [*state[:len(initial_state)], constants[index]]
+        chunk, *state = layer(piece, initial_state=state)
+        # Named by index: the structural twin has the same chunks, shorter, under the same names.
+        outputs.append(TimeReverse(name=f"{layer.name}_chunk_{index}_in_order")(chunk) if reverse else chunk)
+    if reverse:
+        outputs.reverse()
+    joined = outputs[0] if len(outputs) == 1 else layers.Concatenate(axis=1, name=f"{layer.name}_steps")(outputs)
+    if constants is not None:
+        state = state[:len(initial_state)]
+    return [joined, *state]
+
+
+def bidirectional_in_chunks(sequence, units: int, steps_per_loop: int, name: str):
+    """Keras's Bidirectional(LSTM(units, return_sequences=True)) in chunks of time steps: the forward
+    LSTM from the start, the backward one from the end, outputs concatenated per step."""
+    forward = layers.LSTM(units, return_sequences=True, return_state=True, name=f"{name}_forward")
+    backward = layers.LSTM(units, return_sequences=True, return_state=True, go_backwards=True, name=f"{name}_backward")
+    pieces = time_chunks(sequence, steps_per_loop, name)
+    ahead, *_ = recurrent_chunks(forward, pieces, None)
+    behind, *_ = recurrent_chunks(backward, pieces, None, reverse=True)
+    return layers.Concatenate(axis=-1, name=name)([ahead, behind])
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class TimeSplit(layers.Layer):
+    """A sequence [B, T, ...] cut along time into pieces of the given numbers of steps, by one split."""
+
+    def __init__(self, sizes: list[int], **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = list(sizes)
+
+    def call(self, sequence):
+        return tf.split(sequence, self.sizes, axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return [(input_shape[0], size, *input_shape[2:]) for size in self.sizes]
+
+    def get_config(self):
+        return {**super().get_config(), "sizes": self.sizes}
+
+
+@keras.saving.register_keras_serializable(package="lms_launch")
+class TimeReverse(layers.Layer):
+    """A sequence [B, T, ...] in reverse time order (what a go_backwards layer returns, put right)."""
+
+    def call(self, sequence):
+        return tf.reverse(sequence, axis=[1])
 
 
 def masked_cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
@@ -228,7 +329,7 @@ class Seq2SeqTask(Task):
     def build_model(self) -> keras.Model:
         cfg = self.model_cfg
         model = seq2seq(self.source_length, self.target_length, cfg.vocabulary, cfg.embedding, cfg.units,
-                        cfg.encoder_layers, cfg.softmax_samples)
+                        cfg.encoder_layers, cfg.softmax_samples, cfg.steps_per_loop)
         self._sampled_softmax = getattr(model, "sampled_softmax", None)
         return model
 
@@ -257,5 +358,9 @@ class Seq2SeqTask(Task):
         return real_tokens(labels)
 
     def smallest_input_shape(self) -> list[int]:
-        # The same layers and loops under the same names; only the loops' trip counts shrink.
-        return [4, 4]
+        # The same layers and loops under the same names; only the loops' trip counts shrink. With
+        # model.steps_per_loop, the shortest sequences split into as many loops as the recipe's.
+        steps = self.model_cfg.steps_per_loop
+        if not steps:
+            return [4, 4]
+        return [max(4, (math.ceil(length / steps) - 1) * steps + 1) for length in self.model_cfg.input_shape]

@@ -69,10 +69,11 @@ def test_the_sampled_softmax_loss_by_hand():
     np.testing.assert_allclose(layer(tf.constant(states)).numpy(), states @ kernel.T + bias, rtol=1e-5, atol=1e-6)
 
 
-def build(device: str, vocabulary: int = VOCABULARY, layers: int = LAYERS, softmax_samples: int = 0):
+def build(device: str, vocabulary: int = VOCABULARY, layers: int = LAYERS, softmax_samples: int = 0,
+          source: int = SOURCE, steps_per_loop: int = 0):
     keras.utils.set_random_seed(0)
     with tf.device(device):
-        model = seq2seq(SOURCE, TARGET, vocabulary, EMBEDDING, UNITS, layers, softmax_samples)
+        model = seq2seq(source, TARGET, vocabulary, EMBEDDING, UNITS, layers, softmax_samples, steps_per_loop)
         optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
         optimizer.build(model.trainable_variables)
     loss = model.sampled_softmax.loss if softmax_samples else masked_cross_entropy
@@ -106,34 +107,39 @@ def test_a_sampled_softmax_step_holds_no_vocabulary_sized_tensor():
 
 
 def test_lms_swaps_every_loops_accumulators_gated_and_training_is_unchanged_on_split_devices():
-    check_lms_on_split_devices(softmax_samples=0)
-
-
-def test_with_a_sampled_softmax_too_lms_swaps_the_loops_and_the_model_learns():
-    """The same checks with the sampled softmax (its sampler is a stateful random op, seeded: the
-    swapped step draws the same words as the unswapped one). And the model learns the copy task: its
-    full-softmax loss, which training never computes, falls."""
-    model = check_lms_on_split_devices(softmax_samples=20, steps=6)
-    batch = copy_task_batch(3, SOURCE, TARGET, VOCABULARY, seed=7)
-    initial, _ = build(COMPUTE, softmax_samples=20)
-    full_loss = [float(masked_cross_entropy(batch[1], m.sampled_softmax(m(batch[0])))) for m in (initial, model)]
-    assert full_loss[1] < full_loss[0]
-
-
-def check_lms_on_split_devices(softmax_samples: int, steps: int = 3):
-    batch = copy_task_batch(3, SOURCE, TARGET, VOCABULARY, seed=7)
-    model_a, step_a = build(COMPUTE, softmax_samples=softmax_samples)
-    with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(steps)]
-    model_b, step_b = build(COMPUTE, softmax_samples=softmax_samples)
-    specs = [tf.TensorSpec(t.shape, t.dtype) for t in batch]
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    rewritten, _ = check_lms_on_split_devices()
     graph = rewritten.planning.graph
     forward_loops = {a.forward_loop for a in accumulators(graph)}
     # Four forward loops: the bidirectional layer's two directions, the second encoder layer, and the
     # attention decoder (a custom cell).
     assert len(forward_loops) == 4 and any("decoder" in loop for loop in forward_loops)
     assert all(graph[loop].type in WHILE_TYPES for loop in forward_loops)
+
+
+def test_with_a_sampled_softmax_too_lms_swaps_the_loops_and_the_model_learns():
+    """The same checks with the sampled softmax (its sampler is a stateful random op, seeded: the
+    swapped step draws the same words as the unswapped one). And the model learns the copy task: its
+    full-softmax loss, which training never computes, falls."""
+    _, model = check_lms_on_split_devices(steps=6, softmax_samples=20)
+    batch = copy_task_batch(3, SOURCE, TARGET, VOCABULARY, seed=7)
+    initial, _ = build(COMPUTE, softmax_samples=20)
+    full_loss = [float(masked_cross_entropy(batch[1], m.sampled_softmax(m(batch[0])))) for m in (initial, model)]
+    assert full_loss[1] < full_loss[0]
+
+
+def check_lms_on_split_devices(steps: int = 3, source: int = SOURCE, **model):
+    """The step built by `build(**model)`, every list swapped on split devices: each forward loop's
+    lists swapped (the rest left with their reasons), loss and weights as without LMS for `steps`
+    steps, every swap-in gated. (The rewritten step, its trained model.)"""
+    batch = copy_task_batch(3, source, TARGET, VOCABULARY, seed=7)
+    model_a, step_a = build(COMPUTE, source=source, **model)
+    with tf.device(COMPUTE):
+        expected = [float(step_a(*batch)) for _ in range(steps)]
+    model_b, step_b = build(COMPUTE, source=source, **model)
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in batch]
+    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    graph = rewritten.planning.graph
+    forward_loops = {a.forward_loop for a in accumulators(graph)}
     swapped_from = {s.tensor.rpartition(":")[0] for s in rewritten.plan.swaps if s.tensor_list is not None}
     assert swapped_from == forward_loops
     # Every accumulator is swapped or left with its reason.
@@ -144,14 +150,14 @@ def check_lms_on_split_devices(softmax_samples: int, steps: int = 3):
 
     losses = [float(rewritten(*batch)) for _ in range(steps)]
     np.testing.assert_allclose(losses, expected, rtol=1e-6)
-    if not softmax_samples:  # a sampled loss scores other words each step: it need not fall step by step
+    if not model.get("softmax_samples"):  # a sampled loss scores other words each step: it need not fall
         assert losses[-1] < losses[0]
     for a, b in zip(model_a.variables, model_b.variables):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-6, err_msg=a.path)
     report = verify_gating(rewritten, *batch)
     swap_ins = rewritten.plan.swap_in_count
     assert (report.gated, len(report.gates)) == (swap_ins, swap_ins), report.verification().first_failure()
-    return model_b
+    return rewritten, model_b
 
 
 def test_a_run_with_a_sampled_softmax_saves_a_model_that_gives_the_full_logits(tmp_path):
@@ -273,30 +279,7 @@ def test_each_chunk_is_a_loop_whose_lists_hold_its_own_steps_swapped_gated_and_u
     """7 source and 5 target steps in chunks of 2: the bidirectional layer runs 4 loops each way, the
     second encoder layer 4 and the decoder 3 (by hand: ceil(7/2) and ceil(5/2)); no list holds more
     than 2 steps. With every list swapped on split devices, training is unchanged and gated."""
-    batch = copy_task_batch(3, SOURCE + 1, TARGET, VOCABULARY, seed=7)
-    specs = [tf.TensorSpec(t.shape, t.dtype) for t in batch]
-
-    def build_chunked(device):
-        keras.utils.set_random_seed(0)
-        with tf.device(device):
-            model = seq2seq(SOURCE + 1, TARGET, VOCABULARY, EMBEDDING, UNITS, LAYERS, steps_per_loop=2)
-            optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
-            optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(inputs, labels):
-            with tf.GradientTape() as tape:
-                loss = masked_cross_entropy(labels, model(inputs, training=True))
-            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-            return loss
-
-        return model, step
-
-    model_a, step_a = build_chunked(COMPUTE)
-    with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, step_b = build_chunked(COMPUTE)
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    rewritten, _ = check_lms_on_split_devices(source=SOURCE + 1, steps_per_loop=2)
     graph = rewritten.planning.graph
     found = accumulators(graph)
     loops = {a.forward_loop for a in found}
@@ -304,14 +287,6 @@ def test_each_chunk_is_a_loop_whose_lists_hold_its_own_steps_swapped_gated_and_u
                                                                     "encoder_1", "decoder")}
     assert counts == {"encoder_0_forward": 4, "encoder_0_backward": 4, "encoder_1": 4, "decoder": 3}
     assert len(loops) == 15 and max(graph.tensor(a.tensor).tensor_list.length for a in found) == 2
-    assert {s.tensor.rpartition(":")[0] for s in rewritten.plan.swaps if s.tensor_list is not None} == loops
-
-    losses = [float(rewritten(*batch)) for _ in range(3)]
-    np.testing.assert_allclose(losses, expected, rtol=1e-6)
-    for a, b in zip(model_a.variables, model_b.variables):
-        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-6, err_msg=a.path)
-    report = verify_gating(rewritten, *batch)
-    assert report.gated == len(report.gates) == rewritten.plan.swap_in_count
 
 
 def test_the_chunked_step_and_its_twin_sum_gradients_alike_at_any_batch():

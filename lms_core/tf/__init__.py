@@ -116,25 +116,21 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     if not tunes(config, target):
         return tries[0]
     ratio, notes = config.memory_ratio, []
-    while len(tries) <= REPLANS:
-        rewritten, estimate = tries[-1]
-        if estimate.lms_fits and simulated_fits(rewritten):
-            break
-        if not simulated_fits(tries[0][0]):
-            break  # the tuner's own plan is over: a smaller budget cannot help
-        ratio -= (estimate.lms_bytes - device_memory) / device_memory
-        if estimate.lms_fits or ratio <= 0:
-            break
-        notes.append(f"the estimate put the plan at {format_bytes(estimate.lms_bytes)}: re-planned for a budget of "
-                     f"{format_bytes(int(device_memory * ratio))}")
-        tries.append(planned(dataclasses.replace(config, memory_ratio=ratio)))
-        if tries[-1][1].lms_bytes >= estimate.lms_bytes:
-            break
+    if simulated_fits(tries[0][0]):  # a plan over its own budget: a smaller budget cannot help it
+        while len(tries) <= REPLANS and not tries[-1][1].lms_fits:
+            estimate = tries[-1][1]
+            ratio -= (estimate.lms_bytes - device_memory) / device_memory
+            if ratio <= 0:
+                break
+            notes.append(f"the estimate put the plan at {format_bytes(estimate.lms_bytes)}: re-planned for a "
+                         f"budget of {format_bytes(int(device_memory * ratio))}")
+            tries.append(planned(dataclasses.replace(config, memory_ratio=ratio)))
+            if tries[-1][1].lms_bytes >= estimate.lms_bytes:
+                break
     both = [t for t in tries if t[1].lms_fits and simulated_fits(t[0])]
     rewritten, estimate = both[0] if both else tries[0]
     if notes:
-        kept = ("kept that plan" if both and rewritten is not tries[0][0]
-                else "none fits both the estimate and the simulated budget: kept the first plan")
+        kept = "kept that plan" if both else "none fits both the estimate and the simulated budget: kept the first plan"
         note = f"{'; '.join(notes)}; {kept}"
         report = rewritten.planning.report
         report = dataclasses.replace(report, tuning=f"{report.tuning}; {note}" if report.tuning else note)

@@ -30,7 +30,6 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from launcher.config import MAX_DECODER_LOOPS  # noqa: F401 (the limit the comment above explains)
 from launcher.rank.data.sequences import PAD, START  # token ids with a meaning; words are 2 .. vocabulary-1
 from launcher.rank.tasks.base import Task
 
@@ -193,14 +192,13 @@ def seq2seq(source_length: int, target_length: int, vocabulary: int, embedding: 
 
 
 # Why a sequence is cut into its chunks by one split, and why the decoder runs at most
-# MAX_DECODER_LOOPS loops: TensorFlow's gradient tape sums a tensor's gradients early, once 5 are
+# launcher.config.MAX_DECODER_LOOPS loops: TensorFlow's gradient tape sums a tensor's gradients early, once 5 are
 # pending, when they hold over 128 MiB (kMinAggregateCount, kMinAggregateBytes in
 # tensorflow/c/eager/tape.h), that is, at a large batch only. A tensor read by 6 ops or more then
 # gives the paper-sized step an AddN (and renumbers every later one) that its small structural twin,
 # on which the gating check runs the plan (launcher/lms/twin.py), does not have. A split is one
 # reader; the encoder's outputs are read by every decoder loop. (Copies through Keras's Identity
 # layer are the same tensor, and a real copy would be counted as memory by Grappler's estimate.)
-# launcher.config refuses a steps_per_loop that gives the decoder more than MAX_DECODER_LOOPS.
 
 
 def time_chunks(sequence, steps_per_loop: int, name: str) -> list:

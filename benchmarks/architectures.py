@@ -78,14 +78,16 @@ def lstm() -> tuple[keras.Model, tuple]:
     return keras.Model(inputs, layers.Dense(5)(x)), ((4, 8, 6), (4,))
 
 
-def rolled_lstm(batch: int = 4, steps: int = 8, features: int = 6, units: int = 16, classes: int = 5):
-    """Held out from ARCHITECTURES (the generic tests run those): two stacked Keras LSTM layers
-    left rolled, so each is a `While` loop whose per-step activations reach the backward pass as
+def rolled_lstm(batch: int = 4, steps: int = 8, features: int = 6, units: int = 16, classes: int = 5,
+                layers_count: int = 2):
+    """Held out from ARCHITECTURES (the generic tests run those): `layers_count` (two) stacked Keras
+    LSTM layers left rolled, so each is a `While` loop whose per-step activations reach the backward pass as
     TensorList accumulators (lms_core.loops), as a Seq2Seq model's do (Meng et al. 2017). Keras runs
     an LSTM through cuDNN on a GPU when it can; traced on a CPU it is this loop."""
     def build() -> tuple[keras.Model, tuple]:
-        inputs = keras.Input((steps, features))
-        x = layers.LSTM(units, return_sequences=True)(inputs)
+        x = inputs = keras.Input((steps, features))
+        for _ in range(layers_count - 1):
+            x = layers.LSTM(units, return_sequences=True)(x)
         x = layers.LSTM(units)(x)
         return keras.Model(inputs, layers.Dense(classes)(x)), ((batch, steps, features), (batch,))
     return build

@@ -118,6 +118,12 @@ class LMSConfig:
     plan pass the floor of the traced step (ResNet-50: batch 1321 on 16 GiB). Off by default: below
     the floor it saves nothing a swap cannot, and costs the partial sum's extra reads and writes."""
 
+    reserve_gradient_lists: bool = True
+    """Leave the zero lists that gradient loops fill (the gradient of a recurrent layer's unstacked
+    input) unset until each loop fills its own: a `TensorListReserve` in place of the `ZerosLike` that
+    holds the whole list from the forward pass on (lms_core/reserved_lists.py). The same sums bit for
+    bit; nothing to turn off but for comparison."""
+
     swap_backward: bool = True
     """Also swap backward-pass tensors read again `swapout_threshold` levels later or more (a gradient
     term summed at the end of a batch-norm gradient, a gradient kept for a fork's other branch), not

@@ -103,25 +103,44 @@ def gradient_lists(graph: Graph) -> tuple[tuple[str, int], ...]:
     return tuple(found)
 
 
+@once_per_graph
+def filled_lists(graph: Graph) -> tuple[tuple[str, int], ...]:
+    """(gradient loop, bytes) of every list a gradient loop fills in place of a zero list left unset
+    (lms_core.reserved_lists): a backward `While`'s sized output, in graph order (categories needed)."""
+    found = []
+    for name in graph.order:
+        op = graph[name]
+        if op.type in WHILE_TYPES and op.category == BACKWARD:
+            found.extend((name, info.nbytes) for info in op.outputs if info.tensor_list is not None and info.nbytes)
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class UnseenBytes:
     """What loop accumulators add to a peak that Grappler's estimate cannot see (it sizes a variant
     as nothing), without and with a plan. Every forward loop has ended before the first gradient loop
     starts, so without swaps all accumulators are on the device together; with swaps, those not
     swapped stay, and the swapped ones come back one gradient loop at a time (the largest set counts).
-    Added to the estimate's peak as if that peak fell where they are all live: at the start of the
-    backward pass, where a recurrent step's activations peak."""
+    The zero lists the gradient loops fill are all there from the forward pass on, unless the rewrite
+    leaves them unset (lms_core.reserved_lists): then each holds its bytes only while its own loop
+    fills it, counted with that loop's swapped accumulators. Added to the estimate's peak as if that
+    peak fell where they are all live: at the start of the backward pass, where a recurrent step's
+    activations peak."""
 
     baseline_bytes: int
     lms_bytes: int
     host_bytes: int  # the swapped accumulators, parked on the host
     count: int  # accumulators in the step
     swapped: int
-    gradient_list_bytes: int = 0  # other lists the gradient loops read (gradient_lists), in both peaks
+    gradient_list_bytes: int = 0  # the zero lists the gradient loops fill (made up front without LMS)
+    unset_list_bytes: int = 0  # of those, the ones the rewrite leaves unset until their loop fills them
 
     def describe(self) -> str:
         others = (f", and {format_bytes(self.gradient_list_bytes)} of zero lists the gradient loops fill"
                   if self.gradient_list_bytes else "")
+        if self.unset_list_bytes:
+            others += (f" ({format_bytes(self.unset_list_bytes)} of them left unset with LMS, each counted only "
+                       f"while its own loop fills it)")
         return (f"the peaks include {format_bytes(self.baseline_bytes)} without LMS and {format_bytes(self.lms_bytes)} with it "
                 f"of {self.count} loop accumulator(s) (TensorLists sized from element shape x trip count; "
                 f"Grappler sizes them as 0), {self.swapped} swapped{others}")
@@ -129,16 +148,23 @@ class UnseenBytes:
 
 def unseen_bytes(graph: Graph, swapped_tensors: set[str]) -> UnseenBytes:
     """The share of the peaks of the lists Grappler cannot size (the accumulators, given the tensors a
-    plan swaps, and the gradient loops' zero lists)."""
+    plan swaps, and the gradient loops' zero lists). `graph` is the one the plan was made on: its
+    unset zero lists (lms_core.reserved_lists) are the sized outputs of their gradient loops."""
     found = accumulators(graph)
     kept = sum(a.nbytes for a in found if a.tensor not in swapped_tensors)
-    per_loop: dict[str, int] = {}
+    per_loop: dict[str, int] = {}  # what is on the device for a gradient loop only, while it runs
+    swapped_bytes = 0
     for a in found:
         if a.tensor in swapped_tensors:
             first = a.gradient_loops[0]
             per_loop[first] = per_loop.get(first, 0) + a.nbytes
-    others = sum(nbytes for _, nbytes in gradient_lists(graph))
-    return UnseenBytes(baseline_bytes=sum(a.nbytes for a in found) + others,
-                       lms_bytes=kept + others + max(per_loop.values(), default=0),
-                       host_bytes=sum(per_loop.values()), count=len(found),
-                       swapped=sum(a.tensor in swapped_tensors for a in found), gradient_list_bytes=others)
+            swapped_bytes += a.nbytes
+    for loop, nbytes in filled_lists(graph):
+        per_loop[loop] = per_loop.get(loop, 0) + nbytes
+    up_front = sum(nbytes for _, nbytes in gradient_lists(graph))
+    unset = sum(nbytes for _, nbytes in filled_lists(graph))
+    return UnseenBytes(baseline_bytes=sum(a.nbytes for a in found) + up_front + unset,
+                       lms_bytes=kept + up_front + max(per_loop.values(), default=0),
+                       host_bytes=swapped_bytes, count=len(found),
+                       swapped=sum(a.tensor in swapped_tensors for a in found),
+                       gradient_list_bytes=up_front + unset, unset_list_bytes=unset)

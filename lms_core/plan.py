@@ -57,6 +57,21 @@ class AddChain:
 
 
 @dataclass(frozen=True)
+class ReservedList:
+    """A gradient loop's zero list made as a list of unset elements (lms_core.reserved_lists): the
+    `ZerosLike` of a list its forward loop read becomes a `TensorListReserve` of the same element
+    shape and length, which holds no element buffer until the gradient loop sets each one. The loop
+    only adds to the list, and an unset element adds as zero, so the sum is the same bit for bit."""
+
+    op: str  # the ZerosLike; the TensorListReserve takes its name, so the gradient loop still reads it
+    source: str  # the list whose element shape and length it copies, "op:index"
+    element_dtype: str
+    nbytes: int  # what the zero list's elements would hold (length x element)
+    gradient_loop: str  # the backward While that fills it
+    loop_index: int  # its place among that loop's inputs, and so among its outputs: the filled list
+
+
+@dataclass(frozen=True)
 class ControlEdge:
     """`after` waits for `before` (lms_core.serialize: the backward branches run one at a time)."""
 
@@ -86,6 +101,8 @@ class Plan:
     ops: int = 0
     levels: int = 0
     add_chains: list[AddChain] = field(default_factory=list)  # lms.chain_add_n: AddNs computed as chains of adds
+    # lms.reserve_gradient_lists: gradient loops' zero lists made as lists of unset elements
+    reserved_lists: list[ReservedList] = field(default_factory=list)
 
     @property
     def swapped_bytes(self) -> int:
@@ -105,6 +122,9 @@ class Plan:
         ordered = f"; {len(self.control_edges)} control edge(s) serialize the backward branches" if self.control_edges else ""
         if self.add_chains:
             ordered += f"; {len(self.add_chains)} AddN(s) computed as chains of adds"
+        if self.reserved_lists:
+            ordered += (f"; {len(self.reserved_lists)} gradient loop zero list(s) of "
+                        f"{sum(r.nbytes for r in self.reserved_lists) / 2**20:.1f} MiB left unset until filled")
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
                     f"see 'skipped' for the reasons){ordered}")

@@ -27,6 +27,7 @@ from lms_core.link import LinkRates
 from lms_core.memory.bfc import MIB
 from lms_core.plan import Plan
 from lms_core.planner import plan_swaps
+from lms_core.reserved_lists import plan_reserved_lists, with_reserved_lists
 from lms_core.report import PlannedFor, PlanReport, Prediction
 from lms_core.serialize import order_edges, with_control_edges
 from lms_core.simulator import SimulationResult, simulate
@@ -83,21 +84,25 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     # The AddN chains (lms.chain_add_n) come first: swaps are planned on the graph that will run.
     chains = plan_add_chains(graph) if config.chain_add_n else []
     graph = with_add_chains(graph, chains)
+    # So do the unset zero lists (lms.reserve_gradient_lists): a recurrent step's peak moves with them.
+    reserved = plan_reserved_lists(graph) if config.reserve_gradient_lists else []
+    graph = with_reserved_lists(graph, reserved)
     if config.serialize_branches:
         edges = order_edges(graph, max(1, config.min_tensor_bytes))
         graph = with_control_edges(graph, edges)
     if target is None:
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
-        return _with_chains(Planning(graph, PlanReport(plan), traced=traced), chains)
-    return _with_chains(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges,
-                                         describe_memory), chains)
+        return _with_rewrites(Planning(graph, PlanReport(plan), traced=traced), chains, reserved)
+    return _with_rewrites(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges,
+                                           describe_memory), chains, reserved)
 
 
-def _with_chains(planning: Planning, chains: list) -> Planning:
-    """`planning` with the AddN chains its graph was rewritten with recorded in its plan."""
-    if not chains:
+def _with_rewrites(planning: Planning, chains: list, reserved: list) -> Planning:
+    """`planning` with the AddN chains and unset zero lists its graph was rewritten with recorded in
+    its plan."""
+    if not chains and not reserved:
         return planning
-    plan = dataclasses.replace(planning.plan, add_chains=list(chains))
+    plan = dataclasses.replace(planning.plan, add_chains=list(chains), reserved_lists=list(reserved))
     return dataclasses.replace(planning, report=dataclasses.replace(planning.report, plan=plan))
 
 

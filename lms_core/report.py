@@ -153,6 +153,9 @@ class Verification:
     edges_broken: tuple[str, ...]
     compute_device: str
     host_device: str
+    lists_unset: int = 0  # the plan's unset zero lists that ran as TensorListReserve
+    lists_checked: int = 0  # those the executed graph has under their own names
+    lists_changed: tuple[str, ...] = ()
     traced_at: tuple[list[int], int] | None = None  # (input shape, batch) of the twin it ran on, if not the step
 
     @property
@@ -168,6 +171,8 @@ class Verification:
                 f"with host {self.host_device})")
         if self.edges_checked:
             text += f"; backward branches ordered: {self.edges_kept}/{self.edges_checked} control edges honoured"
+        if self.lists_checked:
+            text += f"; zero lists left unset until filled: {self.lists_unset}/{self.lists_checked}"
         return text
 
     def first_failure(self) -> str:
@@ -180,6 +185,8 @@ class Verification:
                 "reasons": dict(self.reasons),
                 "control_edges": {"kept": self.edges_kept, "checked": self.edges_checked,
                                   "broken": list(self.edges_broken)},
+                "unset_zero_lists": {"unset": self.lists_unset, "checked": self.lists_checked,
+                                     "changed": list(self.lists_changed)},
                 "devices": {"compute": self.compute_device, "host": self.host_device},
                 "checked_on": "the partition graphs of one executed step"}
         if self.traced_at is not None:

@@ -25,6 +25,7 @@ from lms_core.add_chains import with_add_chains
 from lms_core.graph import Graph, once_per_graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.plan import Plan
+from lms_core.reserved_lists import with_reserved_lists
 
 # Memory events at one instant are applied in this order. Buffers an op allocates as it starts
 # count together with those freed as its predecessor ends (Grappler's trace does the same), except
@@ -170,8 +171,9 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does.
     `keep_events` fills `executed` and `memory_events`. A plan's AddN chains (lms_core.add_chains)
-    are replayed as their adds; on a graph already rewritten with them, as it is."""
-    graph = with_add_chains(graph, plan.add_chains)
+    are replayed as their adds, and its unset zero lists (lms_core.reserved_lists) as filled by their
+    loops; on a graph already rewritten with them, as it is."""
+    graph = with_reserved_lists(with_add_chains(graph, plan.add_chains), plan.reserved_lists)
     replay = _Replay(graph, plan, costs, link)
     replay.run()
     result = replay.result(persistent_bytes, keep_timeline)

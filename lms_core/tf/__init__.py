@@ -26,6 +26,7 @@ from lms_core.plan import Plan
 from lms_core.report import MemoryEstimate, PlanReport
 from lms_core.planner import device_kind
 from lms_core.planning import Planning, Target, plan_graph, tunes
+from lms_core.reserved_lists import with_reserved_lists
 from lms_core.units import format_bytes
 from lms_core.tf.apply import Placement, apply_plan, host_ops
 from lms_core.tf.capture import graph_ir, trace
@@ -146,9 +147,11 @@ def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
     graph = with_add_chains(traced.graph, [c for c in plan.add_chains if c.op in traced.graph.ops])
-    referenced = [chain.op for chain in plan.add_chains] + [name for swap in plan.swaps
-                  for name in [swap.tensor.rpartition(":")[0], *swap.waiters,
-                               *(n for s in swap.swap_ins for n in (s.trigger, *s.consumers, *s.waiters))]]
+    graph = with_reserved_lists(graph, plan.reserved_lists)
+    rewritten_ops = [chain.op for chain in plan.add_chains] + [entry.op for entry in plan.reserved_lists]
+    referenced = rewritten_ops + [name for swap in plan.swaps
+                                  for name in [swap.tensor.rpartition(":")[0], *swap.waiters,
+                                               *(n for s in swap.swap_ins for n in (s.trigger, *s.consumers, *s.waiters))]]
     missing = next((name for name in referenced if name not in graph.ops), None)
     if missing is not None:
         raise ValueError(f"the plan refers to op {missing!r}, which this trace of the step does not have")

@@ -1,5 +1,7 @@
 """Apply a Plan to a GraphDef: add swap-out and swap-in ops, reroute the far consumers, and add the
-control edges that order the backward branches (`Plan.control_edges`).
+control edges that order the backward branches (`Plan.control_edges`); first the rewrites that
+change how the step computes (AddN chains, lms_core.tf.add_chains; unset zero lists,
+lms_core.tf.reserved_lists).
 
 Where the ops sit decides whether anything is saved. With the compute device different from the
 host, TensorFlow partitions the step per device and turns every cross-device edge into a
@@ -45,6 +47,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from lms_core.plan import Plan
 from lms_core.tf.add_chains import apply_add_chains
 from lms_core.tf.graphdef import KEEP_ATTR, graphdef_ref
+from lms_core.tf.reserved_lists import apply_reserved_lists
 
 
 class Placement(enum.Enum):
@@ -60,6 +63,7 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, h
     nodes = {node.name: node for node in result.node}
     # First the AddN chains (lms_core.add_chains): the plan's swaps and edges may name their adds.
     apply_add_chains(nodes, result, plan.add_chains)
+    apply_reserved_lists(nodes, result, plan.reserved_lists)
     swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
     for edge in plan.control_edges:  # the backward branches' order (lms_core.serialize)
         _add_control_input(nodes[edge.after], edge.before)

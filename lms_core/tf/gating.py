@@ -12,7 +12,8 @@ of the `_Recv` that delivers the value to the compute device, following `_Recv` 
 its device pair, reads the partition graphs TensorFlow reports for that run, and checks every
 swap-in. `check_partitions` is the check alone, on given partition graphs. It also checks that the
 executed graph honours the plan's control edges (the backward branches' order, lms_core.serialize):
-each edge's later op must have the earlier one among its ancestors.
+each edge's later op must have the earlier one among its ancestors; and that each zero list the plan
+leaves unset (lms_core.reserved_lists) ran as a `TensorListReserve`.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tensorflow.python.eager import context
 from lms_core.plan import Plan
 from lms_core.planner import device_id
 from lms_core.report import Verification
+from lms_core.reserved_lists import RESERVE_TYPE
 from lms_core.tf.reimport import IMPORT_SCOPE
 
 SEND, RECV = "_Send", "_Recv"
@@ -50,6 +52,9 @@ class GatingReport:
     edges_kept: int = 0  # the plan's control edges (lms_core.serialize) that the executed graph honours
     edges_checked: int = 0  # those whose two ops TensorFlow executed under their own names
     edges_broken: list[str] = field(default_factory=list)
+    lists_unset: int = 0  # the plan's unset zero lists (lms_core.reserved_lists) executed as such
+    lists_checked: int = 0  # those TensorFlow executed under their own names
+    lists_changed: list[str] = field(default_factory=list)  # executed as something else, and as what
 
     @property
     def gated(self) -> int:
@@ -70,6 +75,7 @@ class GatingReport:
             gated=self.gated, swap_ins=len(self.gates), ungated=tuple(g.swap_in for g in self.ungated),
             reasons={g.swap_in: g.reason for g in self.ungated}, edges_kept=self.edges_kept,
             edges_checked=self.edges_checked, edges_broken=tuple(self.edges_broken),
+            lists_unset=self.lists_unset, lists_checked=self.lists_checked, lists_changed=tuple(self.lists_changed),
             compute_device=self.compute_device, host_device=self.host_device, traced_at=traced_at)
 
 
@@ -118,6 +124,14 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
                 report.edges_kept += 1
             else:
                 report.edges_broken.append(f"{edge.after} does not wait for {edge.before}")
+    for entry in plan.reserved_lists:
+        node = graph.nodes.get(f"{scope}/{entry.op}")
+        if node is not None:
+            report.lists_checked += 1
+            if node.op == RESERVE_TYPE:
+                report.lists_unset += 1
+            else:
+                report.lists_changed.append(f"{entry.op} ran as {node.op}")
     return report
 
 

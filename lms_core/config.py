@@ -124,6 +124,12 @@ class LMSConfig:
     holds the whole list from the forward pass on (lms_core/reserved_lists.py). The same sums bit for
     bit; nothing to turn off but for comparison."""
 
+    defer_gradient_zeros: bool = True
+    """Make the zeros a gradient loop starts from (a weight gradient's running sum, the gradient of
+    a loop output nothing read) just before that loop, not when the step starts: a control edge from
+    the loop's trigger (lms_core/deferred_zeros.py). The same values; nothing to turn off but for
+    comparison."""
+
     swap_backward: bool = True
     """Also swap backward-pass tensors read again `swapout_threshold` levels later or more (a gradient
     term summed at the end of a batch-norm gradient, a gradient kept for a fork's other branch), not

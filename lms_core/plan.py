@@ -103,6 +103,8 @@ class Plan:
     add_chains: list[AddChain] = field(default_factory=list)  # lms.chain_add_n: AddNs computed as chains of adds
     # lms.reserve_gradient_lists: gradient loops' zero lists made as lists of unset elements
     reserved_lists: list[ReservedList] = field(default_factory=list)
+    # lms.defer_gradient_zeros: gradient loops' zero initial values made just before their loop
+    deferred_zeros: list[ControlEdge] = field(default_factory=list)
 
     @property
     def swapped_bytes(self) -> int:
@@ -122,6 +124,8 @@ class Plan:
         ordered = f"; {len(self.control_edges)} control edge(s) serialize the backward branches" if self.control_edges else ""
         if self.add_chains:
             ordered += f"; {len(self.add_chains)} AddN(s) computed as chains of adds"
+        if self.deferred_zeros:
+            ordered += f"; {len(self.deferred_zeros)} gradient loop zero(s) made just before their loop"
         if self.reserved_lists:
             ordered += (f"; {len(self.reserved_lists)} gradient loop zero list(s) of "
                         f"{sum(r.nbytes for r in self.reserved_lists) / 2**20:.1f} MiB left unset until filled")

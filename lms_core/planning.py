@@ -21,6 +21,7 @@ from lms_core.access_order import AccessOrderResult, Schedule, lower_bound_s, pl
 from lms_core.add_chains import plan_add_chains, with_add_chains
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
+from lms_core.deferred_zeros import plan_deferred_zeros
 from lms_core.fit import FitJudge, make_judge
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
@@ -87,22 +88,27 @@ def plan_graph(graph: Graph, config: LMSConfig, compute_device: str = "", data_i
     # So do the unset zero lists (lms.reserve_gradient_lists): a recurrent step's peak moves with them.
     reserved = plan_reserved_lists(graph) if config.reserve_gradient_lists else []
     graph = with_reserved_lists(graph, reserved)
+    # And the gradient loops' zeros, made just before their loop (lms.defer_gradient_zeros).
+    deferred = plan_deferred_zeros(graph, max(1, config.min_tensor_bytes)) if config.defer_gradient_zeros else []
+    if deferred:
+        graph = with_control_edges(graph, deferred)
     if config.serialize_branches:
         edges = order_edges(graph, max(1, config.min_tensor_bytes))
         graph = with_control_edges(graph, edges)
     if target is None:
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
-        return _with_rewrites(Planning(graph, PlanReport(plan), traced=traced), chains, reserved)
+        return _with_rewrites(Planning(graph, PlanReport(plan), traced=traced), chains, reserved, deferred)
     return _with_rewrites(_plan_for_target(graph, config, compute_device, data_inputs, target, traced, edges,
-                                           describe_memory), chains, reserved)
+                                           describe_memory), chains, reserved, deferred)
 
 
-def _with_rewrites(planning: Planning, chains: list, reserved: list) -> Planning:
-    """`planning` with the AddN chains and unset zero lists its graph was rewritten with recorded in
-    its plan."""
-    if not chains and not reserved:
+def _with_rewrites(planning: Planning, chains: list, reserved: list, deferred: list) -> Planning:
+    """`planning` with the AddN chains, unset zero lists and deferred zeros its graph was rewritten
+    with recorded in its plan."""
+    if not chains and not reserved and not deferred:
         return planning
-    plan = dataclasses.replace(planning.plan, add_chains=list(chains), reserved_lists=list(reserved))
+    plan = dataclasses.replace(planning.plan, add_chains=list(chains), reserved_lists=list(reserved),
+                               deferred_zeros=list(deferred))
     return dataclasses.replace(planning, report=dataclasses.replace(planning.report, plan=plan))
 
 

@@ -156,6 +156,9 @@ class Verification:
     lists_unset: int = 0  # the plan's unset zero lists that ran as TensorListReserve
     lists_checked: int = 0  # those the executed graph has under their own names
     lists_changed: tuple[str, ...] = ()
+    zeros_deferred: int = 0  # the plan's deferred gradient-loop zeros that wait for their trigger
+    zeros_checked: int = 0
+    zeros_early: tuple[str, ...] = ()
     traced_at: tuple[list[int], int] | None = None  # (input shape, batch) of the twin it ran on, if not the step
 
     @property
@@ -171,6 +174,8 @@ class Verification:
                 f"with host {self.host_device})")
         if self.edges_checked:
             text += f"; backward branches ordered: {self.edges_kept}/{self.edges_checked} control edges honoured"
+        if self.zeros_checked:
+            text += f"; gradient loop zeros made just before their loop: {self.zeros_deferred}/{self.zeros_checked}"
         if self.lists_checked:
             text += f"; zero lists left unset until filled: {self.lists_unset}/{self.lists_checked}"
         return text
@@ -187,6 +192,8 @@ class Verification:
                                   "broken": list(self.edges_broken)},
                 "unset_zero_lists": {"unset": self.lists_unset, "checked": self.lists_checked,
                                      "changed": list(self.lists_changed)},
+                "deferred_zeros": {"deferred": self.zeros_deferred, "checked": self.zeros_checked,
+                                   "early": list(self.zeros_early)},
                 "devices": {"compute": self.compute_device, "host": self.host_device},
                 "checked_on": "the partition graphs of one executed step"}
         if self.traced_at is not None:

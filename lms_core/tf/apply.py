@@ -65,7 +65,9 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, h
     apply_add_chains(nodes, result, plan.add_chains)
     apply_reserved_lists(nodes, result, plan.reserved_lists)
     swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
-    for edge in plan.control_edges:  # the backward branches' order (lms_core.serialize)
+    # The backward branches' order (lms_core.serialize) and the gradient loops' zeros made just
+    # before their loop (lms_core.deferred_zeros).
+    for edge in [*plan.control_edges, *plan.deferred_zeros]:
         _add_control_input(nodes[edge.after], edge.before)
         for end in (edge.before, edge.after):  # a folded end would take the order with it
             nodes[end].attr[KEEP_ATTR].b = True

@@ -12,8 +12,9 @@ of the `_Recv` that delivers the value to the compute device, following `_Recv` 
 its device pair, reads the partition graphs TensorFlow reports for that run, and checks every
 swap-in. `check_partitions` is the check alone, on given partition graphs. It also checks that the
 executed graph honours the plan's control edges (the backward branches' order, lms_core.serialize):
-each edge's later op must have the earlier one among its ancestors; and that each zero list the plan
-leaves unset (lms_core.reserved_lists) ran as a `TensorListReserve`.
+each edge's later op must have the earlier one among its ancestors, and each gradient loop's zero
+the plan defers (lms_core.deferred_zeros) its trigger; and that each zero list the plan leaves unset
+(lms_core.reserved_lists) ran as a `TensorListReserve`.
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ class GatingReport:
     lists_unset: int = 0  # the plan's unset zero lists (lms_core.reserved_lists) executed as such
     lists_checked: int = 0  # those TensorFlow executed under their own names
     lists_changed: list[str] = field(default_factory=list)  # executed as something else, and as what
+    zeros_deferred: int = 0  # the plan's deferred zeros (lms_core.deferred_zeros) that wait for their trigger
+    zeros_checked: int = 0  # those whose two ops TensorFlow executed under their own names
+    zeros_early: list[str] = field(default_factory=list)
 
     @property
     def gated(self) -> int:
@@ -76,6 +80,7 @@ class GatingReport:
             reasons={g.swap_in: g.reason for g in self.ungated}, edges_kept=self.edges_kept,
             edges_checked=self.edges_checked, edges_broken=tuple(self.edges_broken),
             lists_unset=self.lists_unset, lists_checked=self.lists_checked, lists_changed=tuple(self.lists_changed),
+            zeros_deferred=self.zeros_deferred, zeros_checked=self.zeros_checked, zeros_early=tuple(self.zeros_early),
             compute_device=self.compute_device, host_device=self.host_device, traced_at=traced_at)
 
 
@@ -124,6 +129,14 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
                 report.edges_kept += 1
             else:
                 report.edges_broken.append(f"{edge.after} does not wait for {edge.before}")
+    for edge in plan.deferred_zeros:
+        before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
+        if before in graph.nodes and after in graph.nodes:
+            report.zeros_checked += 1
+            if graph.depends_on(after, before):
+                report.zeros_deferred += 1
+            else:
+                report.zeros_early.append(f"{edge.after} does not wait for {edge.before}")
     for entry in plan.reserved_lists:
         node = graph.nodes.get(f"{scope}/{entry.op}")
         if node is not None:

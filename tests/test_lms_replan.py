@@ -63,6 +63,37 @@ def test_where_the_estimate_refuses_the_tuners_plan_a_plan_for_the_overshoot_les
     assert kept.report.tuning.endswith("kept that plan")
 
 
+# At 82.5 MB the plan for the first lowered budget is no better by the estimate (the same figure),
+# and the next budget down, lowered by that overshoot again, fits both.
+DEVICE_MEMORY_TWO_REPLANS = 82_500_000
+
+
+def test_a_replan_whose_estimate_is_no_lower_does_not_end_the_search(setup):
+    config = LMSConfig(enabled=True, mode="auto", min_tensor_bytes=4096)
+    memory = DEVICE_MEMORY_TWO_REPLANS
+    at = dataclasses.replace(target(), device_memory_bytes=memory)
+
+    def estimate_at(ratio: float):
+        planned = lms_tf.rewrite(setup.step, *setup.specs, config=dataclasses.replace(config, memory_ratio=ratio),
+                                 compute_device=GPU, host_device=HOST, target=at)
+        return lms_tf.estimate_rewrite(planned, memory).lms_bytes
+
+    # By hand, each budget is the last one less the last estimate's overshoot.
+    first = estimate_at(config.memory_ratio)
+    second_ratio = config.memory_ratio - (first - memory) / memory
+    second = estimate_at(second_ratio)
+    assert first > memory and second >= first  # the first re-plan is no better by the estimate
+    third_ratio = second_ratio - (second - memory) / memory
+
+    kept, estimate = lms_tf.rewrite_within_estimate(setup.step, *setup.specs, config=config, compute_device=GPU,
+                                                    host_device=HOST, target=at)
+    assert estimate.lms_fits and kept.planning.simulation.peak_device_bytes <= int(memory * config.memory_ratio)
+    assert kept.report.tuning.endswith(
+        f"the estimate put the plan at {format_bytes(first)}: re-planned for a budget of "
+        f"{format_bytes(int(memory * second_ratio))}; the estimate put the plan at {format_bytes(second)}: "
+        f"re-planned for a budget of {format_bytes(int(memory * third_ratio))}; kept that plan")
+
+
 def test_a_manual_plan_is_not_planned_again(setup):
     """Without tuning there is no budget to lower: the recipe's settings are the plan, over or not."""
     config = LMSConfig(enabled=True, mode="manual", swapout_threshold=8, min_tensor_bytes=4096)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from lms_core.graph import BACKWARD, Graph, tensor_name
 from lms_core.loops import WHILE_TYPES
 from lms_core.plan import ControlEdge
-from lms_core.planner import constant_ops, fused_on_cpu, transpose_pairs
+from lms_core.planner import constant_ops, latest_backward_input, no_trigger_ops
 
 FILL_TYPES = frozenset({"Fill"})
 # Inputs that make a zero no later than the step's start: a variable's shape needs only its handle.
@@ -34,7 +34,7 @@ def plan_deferred_zeros(graph: Graph, min_bytes: int = 1) -> list[ControlEdge]:
     zeros = {}  # Fill -> the gradient loop that reads it
     for name in graph.order:
         op = graph[name]
-        if op.type not in FILL_TYPES or op.region is not None or not (op.outputs[0].nbytes or 0) >= min_bytes:
+        if op.type not in FILL_TYPES or op.region is not None or (op.outputs[0].nbytes or 0) < min_bytes:
             continue
         if not all(p in constants or graph[p].type in SHAPE_OF_VARIABLE_TYPES for p in graph.predecessors(op)):
             continue
@@ -43,20 +43,11 @@ def plan_deferred_zeros(graph: Graph, min_bytes: int = 1) -> list[ControlEdge]:
             (loop,) = readers
             if graph[loop].type in WHILE_TYPES and graph[loop].category == BACKWARD:
                 zeros[name] = loop
-    not_triggers = constants | transpose_pairs(graph) | fused_on_cpu(graph) | set(zeros)
+    # The trigger is found as a swap-in's is, but none of the zeros may be one: each is deferred itself.
+    removed = no_trigger_ops(graph) | set(zeros)
     edges = []
     for name, loop in zeros.items():
-        trigger = loop_trigger(graph, loop, not_triggers)
+        trigger = latest_backward_input(graph, loop, removed)
         if trigger is not None:
             edges.append(ControlEdge(before=trigger, after=name))
     return edges
-
-
-def loop_trigger(graph: Graph, loop: str, not_triggers: frozenset[str] | set[str]) -> str | None:
-    """The gradient loop's backward input of the highest level (then name) that TensorFlow runs under
-    its own name (lms_core.planner's trigger rule: no folded constant, transpose pair, op fused on a
-    CPU, op inside v1 control flow or functional loop), and that is none of the zeros deferred to it."""
-    inputs = [graph[p] for p in graph.predecessors(graph[loop])
-              if graph[p].category == BACKWARD and p not in not_triggers and graph[p].region is None
-              and graph[p].type not in WHILE_TYPES]
-    return max(inputs, key=lambda op: (op.level, op.name)).name if inputs else None

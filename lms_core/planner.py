@@ -263,20 +263,27 @@ def find_trigger(graph: Graph, consumer: Op, target_level: int) -> Op | None:
 
 @once_per_graph
 def latest_backward_inputs(graph: Graph) -> dict[str, str | None]:
-    """For every op, the input `find_trigger` steps back to: its backward predecessor of the highest
-    level (then name) that is neither a folded constant, a transpose pair or an op fused on a CPU, nor
-    inside v1 control flow, nor a functional loop; None if none.
+    """For every op, the input `find_trigger` steps back to (`latest_backward_input`).
     Found once per graph, so a walk back over hundreds of levels costs one lookup per level."""
-    removed = constant_ops(graph) | transpose_pairs(graph) | fused_on_cpu(graph)
-    latest: dict[str, str | None] = {}
-    for name in graph.order:
-        # A functional loop is no trigger: TensorFlow lowers it to v1 control flow before running
-        # it, and no executed op keeps its name (a gradient loop, walking back from the next one).
-        backward = [graph[p] for p in graph.predecessors(graph[name])
-                    if graph[p].category == BACKWARD and p not in removed and graph[p].region is None
-                    and graph[p].type not in WHILE_TYPES]
-        latest[name] = max(backward, key=lambda op: (op.level, op.name)).name if backward else None
-    return latest
+    removed = no_trigger_ops(graph)
+    return {name: latest_backward_input(graph, name, removed) for name in graph.order}
+
+
+def no_trigger_ops(graph: Graph) -> frozenset[str]:
+    """Ops no executed op keeps the name of: folded constants, transpose pairs Grappler removes, and
+    ops fused on a CPU."""
+    return constant_ops(graph) | transpose_pairs(graph) | fused_on_cpu(graph)
+
+
+def latest_backward_input(graph: Graph, name: str, removed: frozenset[str] | set[str]) -> str | None:
+    """`name`'s backward predecessor of the highest level (then name) that is not in `removed`, nor
+    inside v1 control flow, nor a functional loop; None if none."""
+    # A functional loop is no trigger: TensorFlow lowers it to v1 control flow before running
+    # it, and no executed op keeps its name (a gradient loop, walking back from the next one).
+    backward = [graph[p] for p in graph.predecessors(graph[name])
+                if graph[p].category == BACKWARD and p not in removed and graph[p].region is None
+                and graph[p].type not in WHILE_TYPES]
+    return max(backward, key=lambda op: (op.level, op.name)).name if backward else None
 
 
 def _shape_text(shape) -> str:

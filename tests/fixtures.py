@@ -102,3 +102,31 @@ def assert_same_training(losses, expected_losses, variables, expected_variables,
     scale = max(float(np.max(np.abs(e))) for e in expected if e.size and e.dtype.kind == "f")
     for variable, value, want in zip(expected_variables, values, expected):
         np.testing.assert_allclose(value, want, rtol=rtol, atol=rtol * scale, err_msg=variable.path)
+
+
+def rolled_lstm_and_rewrite(config, train_steps: int = 3, **lstm):
+    """The rolled LSTM's training step (benchmarks.architectures.rolled_lstm) built twice on COMPUTE:
+    the first trained `train_steps` steps as traced, the second rewritten with `config` for COMPUTE and
+    HOST and not yet run. Returns (losses of the first, its model, the rewritten step, its model,
+    the batch)."""
+    import tensorflow as tf
+
+    import lms_core.tf as lms_tf
+    from benchmarks.architectures import rolled_lstm, training_step
+
+    original_model, _, original, specs, batch = training_step(rolled_lstm(**lstm), device=COMPUTE)
+    with tf.device(COMPUTE):
+        losses = [float(original(*batch)) for _ in range(train_steps)]
+    model, _, step, _, _ = training_step(rolled_lstm(**lstm), device=COMPUTE)
+    rewritten = lms_tf.rewrite(step, *specs, config=config, compute_device=COMPUTE, host_device=HOST)
+    return losses, original_model, rewritten, model, batch
+
+
+def assert_bit_identical(losses, expected_losses, variables, expected_variables) -> None:
+    """The same losses and every weight the same, bit for bit: for rewrites that change when a value
+    exists, not how it is computed."""
+    import numpy as np
+
+    assert losses == expected_losses
+    for variable, expected in zip(variables, expected_variables):
+        np.testing.assert_array_equal(variable.numpy(), expected.numpy(), err_msg=expected.path)

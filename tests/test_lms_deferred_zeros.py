@@ -7,8 +7,6 @@ expectations are derived by hand from the graph, and from TensorFlow itself (the
 the edges, the partition graphs it executes)."""
 from __future__ import annotations
 
-import numpy as np
-import tensorflow as tf
 
 import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
@@ -21,7 +19,7 @@ from lms_core.serialize import with_control_edges
 from lms_core.simulator import simulate
 from lms_core.tf.gating import verify_gating
 from benchmarks.architectures import rolled_lstm, training_step
-from tests.fixtures import COMPUTE, HOST, unit_costs
+from tests.fixtures import COMPUTE, HOST, assert_bit_identical, rolled_lstm_and_rewrite, unit_costs
 
 MIB = 1 << 20
 H = TensorInfo((8, 32), "float32", 8 * 32 * 4)
@@ -94,11 +92,7 @@ SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ah
 def test_on_split_devices_the_lstms_weight_gradient_sums_wait_and_training_is_bit_identical():
     """Per Keras LSTM layer the gradient loop sums the gradients of three weights (kernel,
     recurrent kernel, bias), each from zeros of the weight's shape: 6 zeros for two layers."""
-    model_a, _, step_a, specs, batch = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, _, step_b, _, _ = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    expected, model_a, rewritten, model_b, batch = rolled_lstm_and_rewrite(SWAP_ALL, **LSTM)
     edges = rewritten.plan.deferred_zeros
     graph = rewritten.planning.traced
     weights = {tuple(v.shape) for v in model_b.trainable_variables}
@@ -107,10 +101,8 @@ def test_on_split_devices_the_lstms_weight_gradient_sums_wait_and_training_is_bi
     nodes = {node.name: node for node in rewritten.graph_def.node}
     assert all(f"^{e.before}" in nodes[e.after].input for e in edges)
 
-    losses = [float(rewritten(*batch)) for _ in range(3)]
-    assert losses == expected  # the same zeros, made later
-    for mine, theirs in zip(model_b.variables, model_a.variables):
-        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    # The same zeros, made later.
+    assert_bit_identical([float(rewritten(*batch)) for _ in range(3)], expected, model_b.variables, model_a.variables)
     report = verify_gating(rewritten, *batch)
     assert (report.zeros_deferred, report.zeros_checked) == (6, 6), report.zeros_early
     assert "gradient loop zeros made just before their loop: 6/6" in report.verification().describe()

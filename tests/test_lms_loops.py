@@ -20,7 +20,7 @@ from lms_core.planner import plan_swaps
 from lms_core.tf.graphdef import KEEP_ATTR
 from lms_core.tf.gating import verify_gating
 from benchmarks.architectures import rolled_lstm, training_step
-from tests.fixtures import COMPUTE, HOST, assert_same_training
+from tests.fixtures import COMPUTE, HOST, assert_same_training, rolled_lstm_and_rewrite
 
 SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0)
 SWAP_LOOPS = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ahead=1, min_tensor_bytes=0,
@@ -116,11 +116,7 @@ def lstm_accumulator_bytes(batch, steps, features, units) -> list[int]:
 
 
 def test_lstm_accumulators_are_all_swapped_gated_and_the_numerics_hold_on_split_devices():
-    model_a, _, step_a, specs, batch = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, _, step_b, _, _ = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    expected, model_a, rewritten, model_b, batch = rolled_lstm_and_rewrite(SWAP_ALL, **LSTM)
     graph = rewritten.planning.graph
     lists = [s for s in rewritten.plan.swaps if s.tensor_list is not None]
     assert sorted(s.nbytes for s in lists) == lstm_accumulator_bytes(**LSTM)

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import tensorflow as tf
 
 import lms_core.tf as lms_tf
 from lms_core.config import LMSConfig
@@ -28,7 +27,7 @@ from lms_core.reserved_lists import plan_reserved_lists, with_reserved_lists
 from lms_core.simulator import simulate
 from lms_core.tf.gating import verify_gating
 from benchmarks.architectures import rolled_lstm, training_step
-from tests.fixtures import COMPUTE, HOST, unit_costs
+from tests.fixtures import COMPUTE, HOST, assert_bit_identical, rolled_lstm_and_rewrite, unit_costs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,11 +115,7 @@ SWAP_ALL = LMSConfig(enabled=True, mode="manual", swapout_threshold=1, swapin_ah
 
 
 def test_on_split_devices_training_is_bit_identical_and_the_reserve_is_what_runs():
-    model_a, _, step_a, specs, batch = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    with tf.device(COMPUTE):
-        expected = [float(step_a(*batch)) for _ in range(3)]
-    model_b, _, step_b, _, _ = training_step(rolled_lstm(**LSTM), device=COMPUTE)
-    rewritten = lms_tf.rewrite(step_b, *specs, config=SWAP_ALL, compute_device=COMPUTE, host_device=HOST)
+    expected, model_a, rewritten, model_b, batch = rolled_lstm_and_rewrite(SWAP_ALL, **LSTM)
     # The second layer's loop reads the first layer's outputs: one zero list, 8 steps of [4, 16].
     (entry,) = rewritten.plan.reserved_lists
     assert entry.nbytes == 8 * 4 * 16 * 4 and entry.gradient_loop.endswith("_grad")
@@ -130,10 +125,8 @@ def test_on_split_devices_training_is_bit_identical_and_the_reserve_is_what_runs
     assert [nodes[name].op for name in reserve.input] == ["TensorListElementShape", "TensorListLength"]
     assert {nodes[name].input[0] for name in reserve.input} == {entry.source.removesuffix(":0")}
 
-    losses = [float(rewritten(*batch)) for _ in range(3)]
-    assert losses == expected  # exactly: an unset element adds as zero
-    for mine, theirs in zip(model_b.variables, model_a.variables):
-        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    # Exactly: an unset element adds as zero.
+    assert_bit_identical([float(rewritten(*batch)) for _ in range(3)], expected, model_b.variables, model_a.variables)
     report = verify_gating(rewritten, *batch)
     assert (report.lists_unset, report.lists_checked) == (1, 1)
     assert report.gated == len(report.gates) == rewritten.plan.swap_in_count

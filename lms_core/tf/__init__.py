@@ -148,7 +148,8 @@ def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_
     graph = with_add_chains(traced.graph, [c for c in plan.add_chains if c.op in traced.graph.ops])
     graph = with_reserved_lists(graph, plan.reserved_lists)
     rewritten_ops = [chain.op for chain in plan.add_chains] + [entry.op for entry in plan.reserved_lists]
-    referenced = rewritten_ops + [name for swap in plan.swaps
+    ordered_ops = [name for edge in [*plan.control_edges, *plan.deferred_zeros] for name in (edge.before, edge.after)]
+    referenced = rewritten_ops + ordered_ops + [name for swap in plan.swaps
                                   for name in [swap.tensor.rpartition(":")[0], *swap.waiters,
                                                *(n for s in swap.swap_ins for n in (s.trigger, *s.consumers, *s.waiters))]]
     missing = next((name for name in referenced if name not in graph.ops), None)

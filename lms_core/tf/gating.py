@@ -121,22 +121,8 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
             report.gates.append(graph.gate(swap_in, compute_device, scope))
-    for edge in plan.control_edges:
-        before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
-        if before in graph.nodes and after in graph.nodes:
-            report.edges_checked += 1
-            if graph.depends_on(after, before):
-                report.edges_kept += 1
-            else:
-                report.edges_broken.append(f"{edge.after} does not wait for {edge.before}")
-    for edge in plan.deferred_zeros:
-        before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
-        if before in graph.nodes and after in graph.nodes:
-            report.zeros_checked += 1
-            if graph.depends_on(after, before):
-                report.zeros_deferred += 1
-            else:
-                report.zeros_early.append(f"{edge.after} does not wait for {edge.before}")
+    report.edges_kept, report.edges_checked, report.edges_broken = graph.honoured(plan.control_edges, scope)
+    report.zeros_deferred, report.zeros_checked, report.zeros_early = graph.honoured(plan.deferred_zeros, scope)
     for entry in plan.reserved_lists:
         node = graph.nodes.get(f"{scope}/{entry.op}")
         if node is not None:
@@ -203,6 +189,21 @@ class PartitionedGraph:
                 return verdict(False, f"{each} does not depend on the trigger: the copy back can happen any time "
                                       f"after the swap-out", recv)
         return verdict(True, recv=recv)
+
+    def honoured(self, edges, scope: str) -> tuple[int, int, list[str]]:
+        """Of the control edges (`before`, `after`) whose two ops were executed under their names: how
+        many the executed graph honours (`after` has `before` among its ancestors), how many were
+        checked, and the ones it does not."""
+        kept, checked, broken = 0, 0, []
+        for edge in edges:
+            before, after = f"{scope}/{edge.before}", f"{scope}/{edge.after}"
+            if before in self.nodes and after in self.nodes:
+                checked += 1
+                if self.depends_on(after, before):
+                    kept += 1
+                else:
+                    broken.append(f"{edge.after} does not wait for {edge.before}")
+        return kept, checked, broken
 
     def readers_of(self, name: str) -> list:
         """The ops whose data inputs include `name`'s outputs (in its own partition)."""

@@ -63,13 +63,15 @@ class Case:
 # swapping, the U-Net 192^3; the LMS cases are past that and well inside what lms-launch reaches.
 CASES = {
     "resnet50": [Case("resnet50", "max-batch", size, lms) for size, lms in
-                 ((64, False), (128, False), (192, False), (256, True), (512, True))],
+                 ((64, False), (128, False), (192, False), (256, False), (256, True), (512, True))],
     "unet3d": [Case("unet3d", "max-resolution", size, lms) for size, lms in
-               ((128, False), (160, False), (192, True), (256, True))],
+               ((128, False), (160, False), (192, True), (256, False), (256, True))],
 }
 SIZE_KINDS = {"resnet50": "max-batch", "unet3d": "max-resolution", "unet3d-cpu": "max-resolution"}
 OPS_SIZE = {"resnet50": 64, "unet3d": 128, "unet3d-cpu": 32}  # ops: a step that fits any GPU, without swaps
-QUICK = {"resnet50": [(128, False), (256, True)], "unet3d": [(160, False), (256, True)]}
+# --quick: one case without swapping that fits, and one size past the no-swap ceiling both without LMS
+# (where a real out-of-memory error is the expected answer) and with it.
+QUICK = {"resnet50": [(128, False), (256, False), (256, True)], "unet3d": [(160, False), (256, False), (256, True)]}
 # For checking the harness on a CPU (tests/test_gpu_measurements.py): the CPU recipe's U-Net, seconds a case.
 CASES["unet3d-cpu"] = [Case("unet3d-cpu", "max-resolution", 32, False), Case("unet3d-cpu", "max-resolution", 48, True)]
 QUICK["unet3d-cpu"] = [(32, False), (48, True)]

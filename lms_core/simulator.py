@@ -6,11 +6,13 @@ graph order). That is how TensorFlow's executor and Grappler's FirstReady schedu
 consumer waiting for a copy does not hold up ops that could run meanwhile.
 Device memory follows reference counts: a tensor is resident from its producer's start to the end of
 its last device reader. For a swapped tensor the swap-out's copy is one such reader, so the device
-buffer is released only when the copy to the host has finished. A swap-in's copy starts when its
+buffer is released only when the copy to the host has finished, and, unless an op waits for that
+copy (sync_mode 1 or 3), only when the host next waits for the GPU after that (see HOST_RUNS_AHEAD). A swap-in's copy starts when its
 trigger has run, the tensor has reached the host and the H2D queue is free; its buffer is resident
 from the copy's start until its last consumer ends, and a consumer whose swap-in has not arrived
-stalls the stream. Copies take bytes / link rate; with an infinite link they take no time, which is
-Grappler's model, and the two estimates can be compared.
+stalls the stream. Copies take bytes / link rate; with an infinite link they take no time, as in
+Grappler's model, and the two estimates can be compared (for plans whose copies out are waited for:
+Grappler counts a swapped tensor gone as its readers end, which the executor does not see otherwise).
 
 Predicts peak device and host memory, step time, stall time, the share of transfer time hidden behind
 compute, and device memory per level; on request (`keep_events`), every device allocation and release
@@ -18,6 +20,7 @@ in the order applied, for lms_core.memory (buffer lifetimes, allocator and pool 
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 
@@ -34,6 +37,18 @@ from lms_core.reserved_lists import with_reserved_lists
 # A buffer allocated after a copy and released at that same instant (a chain of ops that take no
 # time) is released after its allocation, not before: FREE_AFTER_COPY.
 ALLOC, FREE, ALLOC_AFTER_COPY, FREE_AFTER_COPY = 0, 1, 2, 3
+
+
+# TensorFlow's executor runs ahead of the GPU: it launches kernels and allocates their outputs as
+# soon as their inputs' kernels are launched, and waits for the GPU only where an op needs a copy's
+# result (a swap-in's consumer, or an op that waits for a swap-out). A swapped tensor's device buffer is
+# returned when its copy to the host completes, but the executor sees that only at its next wait, by
+# which time it has allocated for every op launched meanwhile: in a forward pass where nothing waits,
+# for all of it. So a copy out that no op waits for frees its buffer, as far as the allocator's peak
+# goes, at the first of those waits after the copy ends. Measured on an H100 (2026-11-27,
+# benchmarks/results/gpu-lms-swap-outs.txt): ResNet-50 at batch 256 with 241 tensors swapped, the peak
+# was 20.48 GiB with no copy waited for (21.10 without LMS) and 4.29 GiB with every copy waited for.
+HOST_RUNS_AHEAD = True
 
 
 class SimulationStalled(ValueError):
@@ -196,6 +211,9 @@ class _Replay:
         self.events: list[tuple[float, int, int, str]] = []  # (time, phase, device delta, buffer)
         self.allocated_at: dict[str, tuple[float, int]] = {}  # buffer -> (time, phase) of its allocation
         self.event_ops: list[int] = []  # for each event, the index in `executed` of the op that recorded it
+        self.waited_out = {t for tensors in self.routes.waiters_out.values() for t in tensors}
+        self.unwaited_out: list[tuple[float, str]] = []  # (copy end, tensor) of copies out no op waits for
+        self.host_waits: list[float] = []  # when the executor resumed after waiting for a copy
         self.executed: list[tuple[str, float, float]] = []  # (op, start, end) in the order run
         self.host_events: list[tuple[float, int, int, str]] = []
         self.end: dict[str, float] = {}
@@ -243,6 +261,18 @@ class _Replay:
             self._wake_successors(name, finish)
         if self.parked or self.parked_out or self.deferred or len(self.end) != len(graph.order):
             raise SimulationStalled(len(graph.order) - len(self.end), dict(self.parked), dict(self.parked_out))
+        self._release_unwaited_copies_out()
+
+    def _release_unwaited_copies_out(self) -> None:
+        """Each copy out that no op waits for frees its buffer at the executor's first wait for the
+        GPU after the copy ends, or when the step ends (HOST_RUNS_AHEAD)."""
+        waits = sorted(self.host_waits)
+        step_end = max(self.stream, self.d2h.free_at, self.h2d.free_at)
+        starts = [start for _, start, _ in self.executed]
+        for copy_end, tensor in self.unwaited_out:
+            i = bisect.bisect_left(waits, copy_end)
+            at = waits[i] if i < len(waits) else max(step_end, copy_end)
+            self._release(tensor, at, op_index=max(0, bisect.bisect_right(starts, at) - 1))
 
     def _enqueue(self, name: str) -> None:
         """Queue an op whose inputs are produced, at the time its swap-ins arrive and the waits of
@@ -262,6 +292,8 @@ class _Replay:
             return
         copies = [self.arrival[s] for s in needs] + [self.swapped_out_at[t] for t in outs]
         copied_at = max(copies, default=-1.0)
+        if copies:  # the executor waits for the GPU here, and sees the copies out that have ended
+            self.host_waits.append(max(self.ready_at[name], copied_at))
         # A copy ends after the op that started it, however fast the link: an op whose last wait is
         # a copy queues behind the ops that became ready at the same instant without one, and its
         # buffers are allocated after that instant's frees. With an infinite link this is the limit
@@ -270,19 +302,20 @@ class _Replay:
         heapq.heappush(self.queue, (max(self.ready_at[name], copied_at), after_copy, self.graph[name].level,
                                     self.structure.position[name], name))
 
-    def _event(self, time: float, phase: int, delta: int, buffer: str) -> None:
+    def _event(self, time: float, phase: int, delta: int, buffer: str, op_index: int | None = None) -> None:
         if delta > 0:
             self.allocated_at[buffer] = (time, phase)
         elif phase == FREE and self.allocated_at.get(buffer) == (time, ALLOC_AFTER_COPY):
             phase = FREE_AFTER_COPY
         self.events.append((time, phase, delta, buffer))
-        self.event_ops.append(len(self.executed) - 1)  # the op being run (appended as it starts)
+        # the op being run (appended as it starts), or the one running at `time` for a release decided later
+        self.event_ops.append(len(self.executed) - 1 if op_index is None else op_index)
 
-    def _release(self, buffer: str, at: float) -> None:
+    def _release(self, buffer: str, at: float, op_index: int | None = None) -> None:
         self.last_end[buffer] = max(self.last_end.get(buffer, 0.0), at)
         self.refs[buffer] -= 1
         if self.refs[buffer] == 0 and self.nbytes[buffer]:
-            self._event(self.last_end[buffer], FREE, -self.nbytes[buffer], buffer)
+            self._event(self.last_end[buffer], FREE, -self.nbytes[buffer], buffer, op_index)
 
     def _compute(self, name: str, ready: float, after_copy: int) -> float:
         """Runs `name` on the compute stream: its outputs are allocated as it starts, the inputs it
@@ -318,7 +351,10 @@ class _Replay:
             copy_start, copy_end = self.d2h.copy(finish, swap.nbytes)
             self.host_events.append((copy_start, ALLOC, swap.nbytes, tensor))
             self.swapped_out_at[tensor] = copy_end
-            self._release(tensor, copy_end)
+            if HOST_RUNS_AHEAD and tensor not in self.waited_out:
+                self.unwaited_out.append((copy_end, tensor))
+            else:
+                self._release(tensor, copy_end)
             for swap_in_name, triggered in self.deferred.pop(tensor, []):
                 self._copy_back(swap_in_name, triggered)
             for waiting in self.parked_out.pop(tensor, []):

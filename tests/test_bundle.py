@@ -354,6 +354,17 @@ def test_have_decisions_on_hand_written_specifiers():
     assert left == {"libclang": "not needed"} and "libclang" not in d
 
 
+def test_the_h100s_own_package_list_keeps_what_fits_and_carries_what_does_not():
+    """The machine's `pip list`, brought back by the first device call (2026-11-27), against the
+    TensorFlow-like requirements above: its numpy 2.5.2 and protobuf 7.36.2 break `<2.1` and `<6`, so
+    both are carried; its ml-dtypes 0.6.0 and packaging 26.3 satisfy them and are kept."""
+    have = parse_have((REPO / "launcher/bundle/targets/h100-cuda-image-pip-freeze.txt").read_text())
+    d = by_name(decide(["tf[and-cuda]==2.18.1"], TF_LIKE, have, ENV312, {"libclang": "not needed"})[0])
+    assert d["numpy"].carry and d["protobuf"].carry and "7.36.2" in d["protobuf"].why
+    assert not d["ml-dtypes"].carry and d["ml-dtypes"].version == Version("0.6.0")
+    assert not d["packaging"].carry and d["packaging"].version == Version("26.3")
+
+
 def test_markers_follow_the_target_python_and_extras():
     d311 = by_name(decide(["tf==2.18.1"], TF_LIKE, Have({}), marker_environment("3.11.9"))[0])
     assert "gcsfs" in d311 and "cublas" not in d311  # no [and-cuda]: no CUDA wheels
@@ -547,13 +558,15 @@ def test_device_calls_send_one_part_each_then_unpack():
     assert carries == [["bundle/b/manifest.json", f"bundle/b/{p.name}"] for s in m.sets for p in s.parts]
     commands = [line.split("command: ", 1)[1] for line in text.splitlines() if "command: " in line]
     assert all("--verify-only" in c for c in commands[0:2] + commands[-2:-1])
-    assert "--into /tmp/lms-tf" in commands[2] and "--cudnn" not in commands[2]
-    assert "--into /tmp/lms-tf --cudnn bundled" in commands[-1]
-    # Between the base set and the cudnn set: the measurements, in the TensorFlow the base call unpacked.
-    measurements = [c for c in commands if "gpu_measurements.py" in c or "bench max-batch" in c]
-    assert commands[3:3 + len(measurements)] == measurements and len(measurements) == len(pack.MEASUREMENTS)
-    assert all(c.startswith("source /tmp/lms-tf/env.sh && ") and "$OUT" in c for c in measurements)
-    assert all("--judge run --device-memory 16GiB" in c for c in measurements if "bench max-batch" in c)
+    # The last base call unpacks, checks and measures (benchmarks/gpu_session.sh), with the machine's cuDNN
+    # first; the last cudnn call does the same with the bundled one.
+    assert commands[2].endswith("&& bash benchmarks/gpu_session.sh /tmp/lms-bundle")
+    assert commands[-1].endswith("&& LMS_CUDNN=bundled bash benchmarks/gpu_session.sh /tmp/lms-bundle")
+    # Between the base set and the cudnn set: the bench's searches, in the TensorFlow the base call unpacked.
+    assert commands[3:5] == ["bash benchmarks/gpu_session.sh /tmp/lms-bundle bench-none",
+                             "bash benchmarks/gpu_session.sh /tmp/lms-bundle bench-lms"]
+    session = (REPO / "benchmarks" / "gpu_session.sh").read_text()
+    assert all(f"{stage})" in session for stage in ("unpack", "bench-none", "bench-lms"))
     copies = [c for c in commands if "/tmp/lms-bundle/" in c]
     assert all(f"cp {c[0]} {c[1]} /tmp/lms-bundle/" in cmd for c, cmd in zip(carries, copies))
     assert pack.device_calls("b", m, Path("/elsewhere")) is None  # outside the repository: no device tool

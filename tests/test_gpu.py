@@ -64,7 +64,11 @@ def test_the_link_of_a_real_gpu_is_read_from_nvml_and_measured():
     gpu = probe_gpu(0)
     assert gpu is not None and gpu.link is not None and gpu.link.h2d_bytes_per_s > 1e9
     measured = measure_link()
-    assert 1e9 < measured.h2d_bytes_per_s < 1e12 and 1e9 < measured.d2h_bytes_per_s < 1e12
+    # No copy beats the link's own signalling rate: NVML's table gives PCIe's effective rate, about 3/4 of
+    # the raw one, so the raw rate is under 1.5 times the table's. (TensorFlow's eager mirror once made
+    # copies to an H100 on PCIe gen5 read 583 GB/s against the table's 48.)
+    assert 1e9 < measured.h2d_bytes_per_s < 1.5 * gpu.link.h2d_bytes_per_s
+    assert 1e9 < measured.d2h_bytes_per_s < 1.5 * gpu.link.d2h_bytes_per_s
 
 
 def test_op_times_on_a_gpu_come_from_its_kernels():

@@ -77,3 +77,28 @@ def test_ops_sums_measured_and_modelled_time_by_op_type(tmp_path):
         assert int(count) > 0 and (m - 0.005) / (r + 0.005) - 0.005 <= q <= (m + 0.005) / max(r - 0.005, 1e-9) + 0.005
     assert sum(float(r[2]) for r in rows) <= float(total[4]) + 0.01  # the listed types are part of the whole
     assert any(l.startswith("step: measured ") and "simulator" in l for l in table)
+
+
+def session(out, tf_dir, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_session.sh as the device tool runs it, with OUT and the unpacked TensorFlow's
+    folder given: here a stand-in env.sh that puts this repository's .venv first on the PATH."""
+    import os
+
+    env = {**os.environ, "OUT": str(out), "LMS_TF_DIR": str(tf_dir)}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_gpu_session_runs_the_stages_asked_for_and_stops_at_a_failed_unpack(tmp_path):
+    tf_dir, out = tmp_path / "tf", tmp_path / "out"
+    tf_dir.mkdir()
+    out.mkdir()
+    (tf_dir / "env.sh").write_text(f"export PATH={ROOT / '.venv' / 'bin'}:$PATH\n")
+    done = session(out, tf_dir, str(tmp_path / "parts"), "env", "no-such-stage")
+    assert done.returncode == 2 and "unknown stage no-such-stage" in done.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-env.txt", "session.log"]  # what came before it ran
+    assert "== env: exit 0" in (out / "session.log").read_text()
+    # No parts: the unpack refuses, and nothing is measured after it (the stages need its TensorFlow).
+    failed = session(out, tf_dir, str(tmp_path / "parts"), "unpack", "env")
+    assert failed.returncode == 1 and "the bundle's check failed: no measurements" in failed.stdout
+    assert failed.stdout.count("== env:") == 0

@@ -79,14 +79,19 @@ def test_the_bound_is_never_above_a_simulated_step(link, budget_mib):
 
 
 def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_wait():
-    """Budget 20 with copies out of 2 s: a ends at t=3, its copy is done at 5, before the peak at 8,
-    so nothing waits. With a budget of 8 MiB (below the step's floor, so the plan cannot fit) the
-    device is already over it when c allocates at t=4 (a, b, c): a, read last by b (done at 4), must
-    be gone by then, but its copy is only done at 5, so c waits for it."""
+    """Budget 20 with copies out of 2 s: a ends at t=3, its copy is done at 5, before the peak at 8
+    (grad_b). But TensorFlow's executor sees a copy end only when it next waits for the GPU, and
+    without a wait that is grad_a's, for its copy back, after the peak: so grad_b, the op allocating
+    at the peak, waits for a's copy, at no cost (it starts at 8, as without swaps). With a budget of
+    8 MiB (below the step's floor, so the plan cannot fit) the device is already over it when c
+    allocates at t=4 (a, b, c): a, read last by b (done at 4), must be gone by then, but its copy is
+    only done at 5, so c waits for it."""
     graph = chain_step()
     costs = unit_costs(graph)
     relaxed = plan_access_order(graph, CONFIG, costs, SLOW, 20 * MIB)
-    assert not any(swap.waiters for swap in relaxed.plan.swaps) and relaxed.plan.settings["sync_mode"] == 0
+    assert {swap.tensor: swap.waiters for swap in relaxed.plan.swaps} == {"a:0": ["gradient_tape/grad_b"]}
+    assert relaxed.fits and relaxed.plan.settings["sync_mode"] == 1
+    assert {name: start for name, start, _ in relaxed.simulation.executed}["gradient_tape/grad_b"] == 8.0
     tight = plan_access_order(graph, CONFIG, costs, SLOW, 8 * MIB)
     waits = {swap.tensor: swap.waiters for swap in tight.plan.swaps}
     assert waits["a:0"] == ["c"]
@@ -97,15 +102,17 @@ def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_
 
 def test_a_copy_out_still_queued_at_the_replayed_peak_makes_the_op_allocating_there_wait():
     """Budget 12 MiB, 2 s per copy. a's copy out runs 3-5, so c (allocating at 4: a, b, c) waits
-    for it until 5; b's copy queues behind a's, 5-7. c then runs 5-6, loss 6-7, and seed allocates
-    at 7, the instant b's copy ends: allocations at an instant count before its frees, so b, c and
-    seed's output are all there. The replay shows b there only for want of its copy out, so seed
-    waits for that copy too (the unswapped schedule, on which the waits are first planned, had b's
-    copy done long before)."""
+    for it until 5; b's copy queues behind a's, 5-7. c then runs 5-6, loss 6-7, seed 7-8, grad_c
+    8-9. Nothing waits for b's copy, so the executor sees it end only at grad_b, which waits for b's
+    copy back: b is still there when grad_c allocates at 8, the replay's peak, and grad_c waits for
+    b's copy. Replayed again, seed allocates at 7, the instant b's copy ends: allocations at an
+    instant count before its frees, so b, c and seed's output are all there, and seed waits for that
+    copy too (the unswapped schedule, on which the waits are first planned, had b's copy done long
+    before). grad_c's wait stays, and costs nothing: the copy has ended by then."""
     graph = chain_step()
     result = plan_access_order(graph, CONFIG, unit_costs(graph), SLOW, 12 * MIB)
     assert {swap.tensor: swap.waiters for swap in result.plan.swaps} == {
-        "a:0": ["c"], "b:0": ["gradient_tape/seed"]}
+        "a:0": ["c"], "b:0": ["gradient_tape/grad_c", "gradient_tape/seed"]}
 
 
 def test_the_floor_is_what_no_swap_can_move():

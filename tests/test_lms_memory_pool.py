@@ -308,20 +308,30 @@ def test_runtime_view_variables_views_and_an_adopted_assignment():
     assert two.live_peak() == (64 + 16 + 256 + 128) * KIB + 4
 
 
-def test_a_swapped_tensor_is_released_when_its_copy_ends_and_the_copy_back_starts_at_its_trigger():
+@pytest.mark.parametrize("sync_mode", [0, 1])
+def test_a_swapped_tensor_is_released_when_the_executor_sees_its_copy_end_and_the_copy_back_starts_at_its_trigger(
+        sync_mode):
     from lms_core.config import LMSConfig
     from lms_core.planner import plan_swaps
 
     g = chain_step()
-    plan = plan_swaps(g, LMSConfig(swapout_threshold=4, swapin_ahead=1, min_tensor_bytes=MIB))
+    plan = plan_swaps(g, LMSConfig(swapout_threshold=4, swapin_ahead=1, min_tensor_bytes=MIB, sync_mode=sync_mode))
     assert [s.tensor for s in plan.swaps] == ["a:0", "b:0"]
     slow = LinkRates("slow", MIB, MIB, "test")  # 4 s per 4 MiB copy
     result = simulate(g, plan, unit_costs(g), slow, keep_events=True)
     memory = step_memory(g, result, as_runtime=False)
     spans = {lt.buffer: lt for lt in memory.lifetimes}
+    starts = {name: start for name, start, _ in result.executed}
     ends = {name: end for name, _, end in result.executed}
     # a's copy to the host starts as a ends and takes 4 s; b (its device reader) ends before that.
-    assert spans["a:0"].free_time == ends["a"] + 4.0
+    if sync_mode == 1:  # b waits for that copy (done at 7) and then reads a, which is released as b ends
+        assert plan.swaps[0].waiters == ["b"]
+        assert spans["a:0"].free_time == ends["b"] == ends["a"] + 4.0 + 1.0
+    else:  # nothing waits for it: TensorFlow's executor, running ahead of the GPU, sees it only at its
+        # next wait for the GPU. The first is grad_b's, for b's copy back: b's copy out runs 7-11 (behind
+        # a's, 3-7), its copy back 11-15, so grad_b starts at 15.
+        assert not plan.swaps[0].waiters and ends["a"] == 3.0
+        assert spans["a:0"].free_time == starts["gradient_tape/grad_b"] == 15.0
     swap_in = plan.swaps[0].swap_ins[0]
     copy_back = spans[swap_in.name]
     assert memory.executed[copy_back.alloc_op] == swap_in.trigger  # allocated as its trigger's copy starts

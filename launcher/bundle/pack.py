@@ -288,9 +288,8 @@ def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | N
             cmd = "python3 -m pip list --format=freeze > $OUT/target-pip-freeze.txt 2>&1; " + cmd
         if i < n:
             cmd += "python3 launcher/bundle/unpack.py /tmp/lms-bundle --verify-only"
-        else:
-            cmd += ("set -o pipefail; PYTHONUNBUFFERED=1 python3 launcher/bundle/unpack.py /tmp/lms-bundle "
-                    "--into /tmp/lms-tf 2>&1 | tee $OUT/unpack.log")
+        else:  # unpack, check, then the measurements, most telling first, until the device budget ends
+            cmd += SESSION
         lines += [f"{i}. carry {json.dumps(carry)}", f"   command: {cmd}", ""]
     lines += measurement_calls()
     try:
@@ -304,32 +303,23 @@ def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | N
         if i < len(cudnn.parts):
             cmd += "python3 launcher/bundle/unpack.py /tmp/lms-bundle --verify-only"
         else:
-            cmd += ("set -o pipefail; PYTHONUNBUFFERED=1 python3 launcher/bundle/unpack.py /tmp/lms-bundle "
-                    "--into /tmp/lms-tf --cudnn bundled 2>&1 | tee $OUT/unpack-cudnn.log")
+            cmd += f"LMS_CUDNN=bundled {SESSION}"
         lines += [f"c{i}. carry {json.dumps(carry)}", f"    command: {cmd}", ""]
     return "\n".join(lines)
 
 
-# Issue 14's measurements, in the warm machine the last base call unpacked TensorFlow into: most
-# telling first, each within one call's 10 minutes (benchmarks/gpu_measurements.py says what each is).
-MEASUREMENTS = (
-    "python3 benchmarks/gpu_measurements.py env --out $OUT; python3 benchmarks/gpu_measurements.py tests --out $OUT; "
-    "python3 benchmarks/gpu_measurements.py link --out $OUT; "
-    "python3 benchmarks/gpu_measurements.py ops --models resnet50 --out $OUT",
-    "python3 benchmarks/gpu_measurements.py peaks --models resnet50 --out $OUT",
-    "python3 benchmarks/gpu_measurements.py peaks --models unet3d --out $OUT",
-    "python3 -m launcher.cli bench max-batch recipes/resnet50.yaml --judge run --device-memory 16GiB --configs none "
-    "--start 192 --min 128 --max 320 --step 8 --out $OUT/bench-none 2>&1 | tee $OUT/bench-none.log",
-    "python3 -m launcher.cli bench max-batch recipes/resnet50.yaml --judge run --device-memory 16GiB --configs "
-    "lms-launch --start 1024 --min 512 --max 1792 --step 128 --out $OUT/bench-lms 2>&1 | tee $OUT/bench-lms.log",
-)
+# Issue 14 on the GPU: the last transfer call runs benchmarks/gpu_session.sh, which unpacks, checks and
+# measures (its stages, most telling first, each with a limit of its own); the bench's two searches
+# come after, each in a call of its own (each fills most of a call's 10 minutes).
+SESSION = "bash benchmarks/gpu_session.sh /tmp/lms-bundle"
+MEASUREMENTS = (f"{SESSION} bench-none", f"{SESSION} bench-lms")
 
 
 def measurement_calls() -> list[str]:
     lines = ["Then the measurements (issue 14), still back to back, each with `timeout_s` 600; if the device",
              "budget runs out, the next GPU session goes on from the first one missing:", ""]
     for i, command in enumerate(MEASUREMENTS, 1):
-        lines += [f"m{i}. carry []", f"    command: source /tmp/lms-tf/env.sh && {command}", ""]
+        lines += [f"m{i}. carry []", f"    command: {command}", ""]
     return lines
 
 

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 14 on the lent GPU machine, in one device-tool call: unpack the bundle, then the measurements,
+# most telling first. Each stage has a time limit of its own, and everything it writes goes straight
+# to OUT, so a call cut off by the session's device budget still brings back every stage it finished.
+#
+#   bash benchmarks/gpu_session.sh PARTS_DIR [STAGE ...]      # OUT defaults to $OUT (the device tool's)
+#
+# Stages (default: the first seven, in this order): unpack env peaks-resnet50 link tests ops-resnet50
+# peaks-unet3d, then, each asked for by name in a later call: bench-none bench-lms (the largest
+# ResNet-50 batch without and with LMS, judged by real runs on the GPU held to 16 GiB).
+# Files in OUT (the device tool brings back at most 8): session.log (every stage's output, the unpack's
+# check included), gpu-*.txt (benchmarks/gpu_measurements.py's parts), runs.tgz (the probes'
+# output.log and plan-rank0.json, for a case that failed or ran out of memory), bench-*.tgz.
+# LMS_CUDNN=auto|machine|bundled (default auto) is the unpack's --cudnn.
+set -u
+parts_dir=${1:?usage: gpu_session.sh PARTS_DIR [STAGE ...]}
+shift
+out=${OUT:?set OUT to the folder the results go to}
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(unpack env peaks-resnet50 link tests ops-resnet50 peaks-unet3d)
+into=${LMS_TF_DIR:-/tmp/lms-tf}  # where the unpack stage puts TensorFlow (and env.sh)
+runs=/tmp/lms-gpu-runs
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+exec > >(tee -a "$out/session.log") 2>&1
+
+# SIGINT, not SIGTERM, at a stage's limit: Python then unwinds, and the bench's probe runner kills the
+# probe's process group (the probes run in sessions of their own, which the device tool would not end).
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: start $(date -u +%T), limit ${limit} s: $*"
+    local started=$SECONDS
+    timeout -s INT -k 15 "$limit" "$@"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - started)) s"
+    return $rc
+}
+
+measure() {  # TensorFlow from the unpacked bundle (a rerun without the unpack stage finds it there)
+    [ -n "${LMS_BUNDLE_ENV:-}" ] || { source "$into/env.sh" && export LMS_BUNDLE_ENV=1; } || return 1
+    stage "$1" "$2" python3 benchmarks/gpu_measurements.py "${@:3}" --out "$out"
+}
+
+bench() {  # lms-launch bench's folder has more files than the device tool brings back: one archive
+    local name=$1
+    shift
+    [ -n "${LMS_BUNDLE_ENV:-}" ] || { source "$into/env.sh" && export LMS_BUNDLE_ENV=1; } || return 1
+    stage "$name" 580 python3 -m launcher.cli bench max-batch recipes/resnet50.yaml --judge run \
+        --device-memory 16GiB "$@" --out "/tmp/lms-$name"
+    tar -czf "$out/$name.tgz" -C /tmp "lms-$name"
+}
+
+keep_runs() {  # one archive, rewritten after each peaks stage: the device tool brings back 8 files
+    [ -d "$runs" ] && tar -czf "$out/runs.tgz" -C "$runs" --ignore-failed-read \
+        $(cd "$runs" && find . \( -name output.log -o -name plan-rank0.json \)) 2>/dev/null
+}
+
+echo "== gpu_session.sh on $(hostname), $(nproc) cores, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for s in "${stages[@]}"; do
+    case $s in
+        unpack) stage unpack 420 python3 launcher/bundle/unpack.py "$parts_dir" --into "$into" --cudnn "${LMS_CUDNN:-auto}" || {
+                    echo "== the bundle's check failed: no measurements (docs/gpu-bundle.md: the cudnn set)"; exit 1; } ;;
+        env) measure env 120 env ;;
+        peaks-resnet50) measure peaks-resnet50 420 peaks --models resnet50 --quick --workdir "$runs/resnet50"; keep_runs ;;
+        link) measure link 120 link ;;
+        tests) measure tests 300 tests ;;
+        ops-resnet50) measure ops-resnet50 300 ops --models resnet50 ;;
+        peaks-unet3d) measure peaks-unet3d 420 peaks --models unet3d --quick --workdir "$runs/unet3d"; keep_runs ;;
+        bench-none) bench bench-none --configs none --start 192 --min 128 --max 320 --step 8 ;;
+        bench-lms) bench bench-lms --configs lms-launch --start 1024 --min 512 --max 1792 --step 128 ;;
+        *) echo "unknown stage $s"; exit 2 ;;
+    esac
+done
+echo "== done $(date -u +%T)"

@@ -194,7 +194,10 @@ class LMSConfig:
     `bfc` is not the default yet: the allocator model and Grappler's estimate, which judges "fits" in
     `plan` and the bench, disagree on which plans fit (3D U-Net 192^3 at batch 4: the model needs
     20.13 GiB for the access-order plan of 14.69 GiB live, so `bfc` keeps a distance plan Grappler
-    puts at 16.15 GiB, over 16), and no GPU has said which is right (docs/lms.md)."""
+    puts at 16.15 GiB, over 16). The first GPU run sides with the model: the U-Net at 256^3 on an
+    H100 held to 16 GiB (2026-11-27), an access-order plan of 14.40 GiB simulated that the model said
+    needs 17.85 GiB ran out of memory. One case; making `bfc` the GPU rank's default waits for the
+    bench re-run with it (README, "On a real GPU")."""
 
     host_memory_ratio: float = 0.8
     """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""

@@ -37,8 +37,9 @@ class RankPlan:
             estimate = report.estimate
             text += (f"; {estimate.source} peak {format_bytes(estimate.baseline_bytes)} -> {format_bytes(estimate.lms_bytes)} "
                      f"of {format_bytes(estimate.device_memory_bytes)} (host {format_bytes(estimate.host_bytes)})")
-        if report.prediction is not None:
-            text += (f"; predicted step {report.prediction.step_time_s * 1000:.0f} ms vs "
+        if report.prediction is not None:  # the simulator's peak counts copies out as the executor sees them end
+            text += (f"; predicted peak {format_bytes(report.prediction.peak_device_bytes)}, step "
+                     f"{report.prediction.step_time_s * 1000:.0f} ms vs "
                      f"{report.prediction.unlimited_step_time_s * 1000:.0f} ms unswapped")
         return text + f"; rewrite {self.seconds:.1f} s"
 

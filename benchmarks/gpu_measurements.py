@@ -5,6 +5,7 @@
     python3 benchmarks/gpu_measurements.py link  --out DIR     # the host link, measured against NVML's table
     python3 benchmarks/gpu_measurements.py ops   --out DIR [--models resnet50]  # op times against the roofline
     python3 benchmarks/gpu_measurements.py peaks --out DIR [--models resnet50,unet3d] [--quick]
+    python3 benchmarks/gpu_measurements.py variants --out DIR [--models swapouts,judges]  # one size, LMS settings compared
 
 Each part writes `DIR/gpu-PART.txt` (`gpu-PART-MODELS.txt` for peaks and ops). It starts with the date,
 the machine, the GPU and its driver, TensorFlow's CUDA and cuDNN, and the command. Lines are
@@ -23,6 +24,16 @@ Each model's error is (model - measured) / measured. An LMS row's figures come f
 made (`lms/plan-rank0.json`). A no-swap row's come from the same planning with nothing swapped, made
 here on the GPU's own target. A case that runs out of memory says so, which is itself a measurement
 when a model said it fits.
+
+`variants` trains one size several ways, each in a fresh process, with the same columns as `peaks`:
+- `swapouts`: ResNet-50 at batch 256 on the whole GPU (no hold, so that the peak shows whatever it
+  is), planned for `--device-memory`: LMS off, and the recipe's manual settings with `sync_mode` 0
+  (nothing waits for a copy out) and 1 (the tensor's next reader waits). On 2026-11-27 that was
+  21.10, 20.48 and 4.29 GiB (benchmarks/results/gpu-lms-swap-outs.txt, by hand): the case for the
+  simulator's executor model (lms_core.simulator.HOST_RUNS_AHEAD).
+- `judges`: the U-Net at 256^3 held to `--device-memory`, auto-tuned with `lms.fit_judge` live (the
+  default) and bfc: on 2026-11-27 the live judge's plan ran out of memory where the allocator
+  model had said it would.
 
 The largest batches (item 3 of the issue) are `lms-launch bench`'s own job, with the same hold:
 `lms-launch bench max-batch recipes/resnet50.yaml --judge run --device-memory 16GiB --configs none`
@@ -72,6 +83,19 @@ OPS_SIZE = {"resnet50": 64, "unet3d": 128, "unet3d-cpu": 32}  # ops: a step that
 # --quick: one case without swapping that fits, and one size past the no-swap ceiling both without LMS
 # (where a real out-of-memory error is the expected answer) and with it.
 QUICK = {"resnet50": [(128, False), (256, False), (256, True)], "unet3d": [(160, False), (256, False), (256, True)]}
+# `variants`: (label, configuration, lms.* settings); a case is held to --device-memory only if `held`.
+VARIANTS = {
+    "swapouts": ("resnet50", 256, False, [("LMS off", "none", []),
+                                          ("sync 0", "lms-launch", ["lms.mode=manual", "lms.sync_mode=0"]),
+                                          ("sync 1", "lms-launch", ["lms.mode=manual", "lms.sync_mode=1"])]),
+    "judges": ("unet3d", 256, True, [("live judge", "lms-launch", ["lms.fit_judge=live"]),
+                                     ("bfc judge", "lms-launch", ["lms.fit_judge=bfc"])]),
+    # The harness on a CPU (tests/test_gpu_measurements.py): the CPU recipe's U-Net, seconds a case.
+    "swapouts-cpu": ("unet3d-cpu", 48, False, [("sync 0", "lms-launch", ["lms.mode=manual", "lms.swapout_threshold=4",
+                                                                         "lms.sync_mode=0"]),
+                                               ("sync 1", "lms-launch", ["lms.mode=manual", "lms.swapout_threshold=4",
+                                                                         "lms.sync_mode=1"])]),
+}
 # For checking the harness on a CPU (tests/test_gpu_measurements.py): the CPU recipe's U-Net, seconds a case.
 CASES["unet3d-cpu"] = [Case("unet3d-cpu", "max-resolution", 32, False), Case("unet3d-cpu", "max-resolution", 48, True)]
 QUICK["unet3d-cpu"] = [(32, False), (48, True)]
@@ -249,6 +273,49 @@ def part_peaks(log: Log, models: list[str], quick: bool, device_memory: int, wor
     return 1 if failures else 0
 
 
+def part_variants(log: Log, names: list[str], device_memory: int, workdir: Path) -> int:
+    """One size of one recipe trained several ways (VARIANTS), each next to what its models said."""
+    from launcher.bench.run_judge import ProbeError, RunSetting, run_probe
+    from launcher.bench.sizes import size_axis
+    from launcher.recipe import load_recipe
+    from lms_core.nvml import probe_gpu
+
+    import tensorflow as tf
+
+    on_gpu = probe_gpu(0) is not None
+    tf.config.set_visible_devices([], "GPU")  # this process only plans (part_peaks says why)
+    log(f"each case: {RUN_STEPS} training steps in a fresh process ({RUN_STEPS - SKIP_STEPS} measured), planned for "
+        f"{device_memory / GIB:g} GiB; GiB and ms; err = (model - measured) / measured")
+    log(f"{'case':<34} {'measured':>8} {'Grappler':>14} {'simulated':>14} {'alloc. live':>14} {'BFC req.':>14} "
+        f"{'step':>6} {'predicted':>15}")
+    failures = 0
+    for name in names:
+        model, size, held, variants = VARIANTS[name]
+        recipe_path = ROOT / "recipes" / f"{model}.yaml"
+        recipe = load_recipe(recipe_path, [])
+        axis = size_axis(SIZE_KINDS[model], recipe)
+        for label, key, settings in variants:
+            setting = RunSetting(recipe_path=recipe_path, recipe=recipe, overrides=[], axis=axis,
+                                 workdir=workdir / name / label.replace(" ", "-"), steps=RUN_STEPS,
+                                 skip_steps=SKIP_STEPS, timeout_s=PROBE_TIMEOUT_S, on_gpu=on_gpu,
+                                 device_memory_bytes=device_memory if held else None,
+                                 lms_overrides=[f"lms.device_memory={device_memory}", *settings])
+            text = f"{model} {axis.label(size)} {label}{'' if held else ', no hold'}"
+            try:
+                probe = run_probe(setting, key, size)
+            except ProbeError as err:
+                log(f"{text:<34} FAILED: {err}")
+                failures += 1
+                continue
+            if not probe.fits:
+                log(f"{text:<34} {'OOM':>8}  {probe.detail}")
+                continue
+            said = (plan_figures(Path(probe.data["run_dir"])) if key == "lms-launch"
+                    else unswapped_figures(recipe, axis, size, device_memory, on_gpu))
+            log(row(text, probe, said, width=34))
+    return 1 if failures else 0
+
+
 def plan_figures(run_dir: Path) -> dict:
     """What the rank's own plan said: Grappler's estimate with the swaps, the simulator's peak and
     step, the allocator model's live peak and requirement."""
@@ -285,7 +352,7 @@ def unswapped_figures(recipe, axis, size: int, device_memory: int, on_gpu: bool)
             "bfc": report.memory.bfc_bytes if report.memory else None}
 
 
-def row(label: str, probe, said: dict) -> str:
+def row(label: str, probe, said: dict, width: int = 26) -> str:
     measured = probe.peak_bytes
 
     def versus(model_bytes) -> str:
@@ -298,31 +365,34 @@ def row(label: str, probe, said: dict) -> str:
     step_text = f"{step * 1000:6.0f}" if step else f"{'-':>6}"
     predicted_text = (f"{predicted * 1000:6.0f} ({predicted / step - 1:+5.0%})" if predicted and step
                       else f"{'-':>15}")
-    return (f"{label:<26} {measured / GIB:8.2f} {versus(said.get('grappler'))} {versus(said.get('simulated'))} "
+    return (f"{label:<{width}} {measured / GIB:8.2f} {versus(said.get('grappler'))} {versus(said.get('simulated'))} "
             f"{versus(said.get('live'))} {versus(said.get('bfc'))} {step_text} {predicted_text}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("env", "tests", "link", "ops", "peaks"))
+    parser.add_argument("part", choices=("env", "tests", "link", "ops", "peaks", "variants"))
     parser.add_argument("--out", default=str(RESULTS), help="where the part's file goes (on the device tool: $OUT)")
-    parser.add_argument("--models", default="resnet50,unet3d", help="peaks and ops: the recipes, comma-separated")
+    parser.add_argument("--models", help="peaks and ops: the recipes (default resnet50,unet3d); variants: the "
+                        "sets (default swapouts,judges); comma-separated")
     parser.add_argument("--quick", action="store_true", help="peaks: two cases per model")
     parser.add_argument("--device-memory", default="16GiB", help="peaks: the memory the device is held to")
     parser.add_argument("--workdir", help="peaks: where the cases' run folders go (default: a temporary folder)")
     args = parser.parse_args()
     from lms_core.units import parse_bytes
 
-    models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in models if m not in CASES]
+    known = VARIANTS if args.part == "variants" else CASES
+    default = "swapouts,judges" if args.part == "variants" else "resnet50,unet3d"
+    models = [m for m in (args.models or default).split(",") if m]
+    unknown = [m for m in models if m not in known]
     if unknown:
-        parser.error(f"--models: no cases for {', '.join(unknown)}; choose from {', '.join(CASES)}")
+        parser.error(f"--models: no cases for {', '.join(unknown)}; choose from {', '.join(known)}")
     try:
         device_memory = parse_bytes(args.device_memory)
     except ValueError as err:
         parser.error(f"--device-memory: {err}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    name = f"gpu-{args.part}" + (f"-{'-'.join(models)}" if args.part in ("peaks", "ops") else "")
+    name = f"gpu-{args.part}" + (f"-{'-'.join(models)}" if args.part in ("peaks", "ops", "variants") else "")
     log = Log(Path(args.out) / f"{name}.txt")
     header(log, args.part)
     if args.part == "env":
@@ -335,7 +405,9 @@ def main() -> int:
         return max(part_ops(log, model, OPS_SIZE[model]) for model in models)
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="gpu-peaks-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"gpu-{args.part}-") as scratch:
+        if args.part == "variants":
+            return part_variants(log, models, device_memory, Path(args.workdir or scratch))
         return part_peaks(log, models, args.quick, device_memory, Path(args.workdir or scratch))
 
 

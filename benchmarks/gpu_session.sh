@@ -5,9 +5,10 @@
 #
 #   bash benchmarks/gpu_session.sh PARTS_DIR [STAGE ...]      # OUT defaults to $OUT (the device tool's)
 #
-# Stages (default: the first seven, in this order): unpack env peaks-resnet50 link tests ops-resnet50
-# peaks-unet3d, then, each asked for by name in a later call: bench-none bench-lms (the largest
-# ResNet-50 batch without and with LMS, judged by real runs on the GPU held to 16 GiB).
+# Stages (default, in this order): unpack variants peaks-resnet50 link tests peaks-unet3d ops-resnet50;
+# each asked for by name: env (every part's file starts with what it says, so it is not a default: the
+# device tool brings back 8 files), and, in later calls, bench-none bench-lms (the largest ResNet-50
+# batch without and with LMS, judged by real runs on the GPU held to 16 GiB).
 # Files in OUT (the device tool brings back at most 8): session.log (every stage's output, the unpack's
 # check included), gpu-*.txt (benchmarks/gpu_measurements.py's parts), runs.tgz (the probes'
 # output.log and plan-rank0.json, for a case that failed or ran out of memory), bench-*.tgz.
@@ -17,7 +18,7 @@ parts_dir=${1:?usage: gpu_session.sh PARTS_DIR [STAGE ...]}
 shift
 out=${OUT:?set OUT to the folder the results go to}
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(unpack env peaks-resnet50 link tests ops-resnet50 peaks-unet3d)
+[ ${#stages[@]} -gt 0 ] || stages=(unpack variants peaks-resnet50 link tests peaks-unet3d ops-resnet50)
 into=${LMS_TF_DIR:-/tmp/lms-tf}  # where the unpack stage puts TensorFlow (and env.sh)
 runs=/tmp/lms-gpu-runs
 export PYTHONUNBUFFERED=1
@@ -63,6 +64,7 @@ for s in "${stages[@]}"; do
         unpack) stage unpack 420 python3 launcher/bundle/unpack.py "$parts_dir" --into "$into" --cudnn "${LMS_CUDNN:-auto}" || {
                     echo "== the bundle's check failed: no measurements (docs/gpu-bundle.md: the cudnn set)"; exit 1; } ;;
         env) measure env 120 env ;;
+        variants) measure variants 580 variants --workdir "$runs/variants"; keep_runs ;;
         peaks-resnet50) measure peaks-resnet50 420 peaks --models resnet50 --quick --workdir "$runs/resnet50"; keep_runs ;;
         link) measure link 120 link ;;
         tests) measure tests 300 tests ;;

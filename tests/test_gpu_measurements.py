@@ -102,3 +102,23 @@ def test_the_gpu_session_runs_the_stages_asked_for_and_stops_at_a_failed_unpack(
     failed = session(out, tf_dir, str(tmp_path / "parts"), "unpack", "env")
     assert failed.returncode == 1 and "the bundle's check failed: no measurements" in failed.stdout
     assert failed.stdout.count("== env:") == 0
+
+
+def test_variants_train_one_size_several_ways_each_beside_its_own_plan(tmp_path):
+    """`variants` (the comparisons a GPU session makes at one size: sync modes, fit judges), checked
+    on the CPU: each row is its own run, its models' figures come from the plan that run made, and
+    that plan has the settings the row names."""
+    done = harness("variants", "--models", "swapouts-cpu", "--device-memory", "2GiB", "--out", str(tmp_path),
+                   "--workdir", str(tmp_path / "cases"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = (tmp_path / "gpu-variants-swapouts-cpu.txt").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("unet3d-cpu 48^3 ")]
+    assert [row.split(",")[0] for row in rows] == ["unet3d-cpu 48^3 sync 0", "unet3d-cpu 48^3 sync 1"]
+    assert all(", no hold" in row for row in rows)  # the peak shows whatever it is
+    for sync_mode, row in enumerate(rows):
+        plan = json.loads((tmp_path / "cases" / "swapouts-cpu" / f"sync-{sync_mode}" / "lms-launch-48" / "lms" /
+                           "plan-rank0.json").read_text())
+        assert plan["settings"]["sync_mode"] == sync_mode and plan["settings"]["mode"] == "manual"
+        assert plan["swap_count"] > 0
+        simulated = figures(row.split("no hold", 1)[1])[2]  # measured, Grappler, then this (errors left out)
+        assert simulated == round(plan["prediction"]["peak_device_bytes"] / GIB, 2)

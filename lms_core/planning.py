@@ -141,10 +141,22 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
         other = next(option for option in options if option is not chosen)
         text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
                 f"{other.simulation.step_time_s * 1000:.0f} ms, peak {format_bytes(other.simulation.peak_device_bytes)}")
+    memory = judge.memory(chosen.plan) if describe_memory else None
+    warnings = chosen.warnings
+    if memory is not None and memory.judge == "live" and not memory.bfc_fits:
+        warnings += (allocator_warning(memory),)
     report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
-                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings,
-                        memory=judge.memory(chosen.plan) if describe_memory else None)
+                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=warnings,
+                        memory=memory)
     return Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
+
+
+def allocator_warning(memory) -> str:
+    """For a plan judged by its live peak that the allocator model says TensorFlow's GPU allocator
+    cannot hold: on an H100 (2026-11-27) such a plan of the U-Net at 256^3 ran out of memory."""
+    return (f"by the allocator model TensorFlow's GPU allocator needs {format_bytes(memory.bfc_bytes)} for this plan "
+            f"(budget {format_bytes(memory.budget_bytes)}), which lms.fit_judge live does not check; on a GPU, "
+            f"--set lms.fit_judge=bfc plans for the allocator")
 
 
 def _judged_option(plan: Plan, simulation: SimulationResult, text: str | None, judge: FitJudge,

@@ -5,7 +5,7 @@
     python3 benchmarks/gpu_measurements.py link  --out DIR     # the host link, measured against NVML's table
     python3 benchmarks/gpu_measurements.py ops   --out DIR [--models resnet50]  # op times against the roofline
     python3 benchmarks/gpu_measurements.py peaks --out DIR [--models resnet50,unet3d] [--quick]
-    python3 benchmarks/gpu_measurements.py variants --out DIR [--models swapouts,judges]  # one size, LMS settings compared
+    python3 benchmarks/gpu_measurements.py variants --out DIR [--models swapouts,judges]  # one size, several ways
 
 Each part writes `DIR/gpu-PART.txt` (`gpu-PART-MODELS.txt` for peaks and ops). It starts with the date,
 the machine, the GPU and its driver, TensorFlow's CUDA and cuDNN, and the command. Lines are
@@ -228,7 +228,7 @@ def part_ops(log: Log, model: str, size: int) -> int:
 
 
 def part_peaks(log: Log, models: list[str], quick: bool, device_memory: int, workdir: Path) -> int:
-    from launcher.bench.run_judge import ProbeError, RunSetting, run_probe
+    from launcher.bench.run_judge import RunSetting
     from launcher.bench.sizes import size_axis
     from launcher.recipe import load_recipe
     from lms_core.nvml import probe_gpu
@@ -258,24 +258,34 @@ def part_peaks(log: Log, models: list[str], quick: bool, device_memory: int, wor
                                  device_memory_bytes=device_memory,
                                  lms_overrides=[f"lms.device_memory={device_memory}"])
             label = f"{model} {axis.label(case.size)} {'LMS' if case.lms else 'no swap'}"
-            try:
-                probe = run_probe(setting, "lms-launch" if case.lms else "none", case.size)
-            except ProbeError as err:
-                log(f"{label:<26} FAILED: {err}")
-                failures += 1
-                continue
-            if not probe.fits:
-                log(f"{label:<26} {'OOM':>8}  {probe.detail}")
-                continue
-            models_said = (plan_figures(Path(probe.data["run_dir"])) if case.lms
-                           else unswapped_figures(recipe, axis, case.size, device_memory, on_gpu))
-            log(row(label, probe, models_said))
+            failures += run_case(log, setting, "lms-launch" if case.lms else "none", case.size, label, 26,
+                                 device_memory)
     return 1 if failures else 0
+
+
+def run_case(log: Log, setting, key: str, size: int, label: str, width: int, device_memory: int) -> int:
+    """Trains one case in a fresh process (the bench's run judge) and logs its row: the measured peak
+    and step beside what the models said (the rank's own plan for LMS, the same planning with nothing
+    swapped otherwise), or OOM, or why it failed. Returns 1 when it failed for another reason."""
+    from launcher.bench.run_judge import ProbeError, run_probe
+
+    try:
+        probe = run_probe(setting, key, size)
+    except ProbeError as err:
+        log(f"{label:<{width}} FAILED: {err}")
+        return 1
+    if not probe.fits:
+        log(f"{label:<{width}} {'OOM':>8}  {probe.detail}")
+        return 0
+    said = (plan_figures(Path(probe.data["run_dir"])) if key == "lms-launch"
+            else unswapped_figures(setting.recipe, setting.axis, size, device_memory, setting.on_gpu))
+    log(row(label, probe, said, width=width))
+    return 0
 
 
 def part_variants(log: Log, names: list[str], device_memory: int, workdir: Path) -> int:
     """One size of one recipe trained several ways (VARIANTS), each next to what its models said."""
-    from launcher.bench.run_judge import ProbeError, RunSetting, run_probe
+    from launcher.bench.run_judge import RunSetting
     from launcher.bench.sizes import size_axis
     from launcher.recipe import load_recipe
     from lms_core.nvml import probe_gpu
@@ -301,18 +311,7 @@ def part_variants(log: Log, names: list[str], device_memory: int, workdir: Path)
                                  device_memory_bytes=device_memory if held else None,
                                  lms_overrides=[f"lms.device_memory={device_memory}", *settings])
             text = f"{model} {axis.label(size)} {label}{'' if held else ', no hold'}"
-            try:
-                probe = run_probe(setting, key, size)
-            except ProbeError as err:
-                log(f"{text:<34} FAILED: {err}")
-                failures += 1
-                continue
-            if not probe.fits:
-                log(f"{text:<34} {'OOM':>8}  {probe.detail}")
-                continue
-            said = (plan_figures(Path(probe.data["run_dir"])) if key == "lms-launch"
-                    else unswapped_figures(recipe, axis, size, device_memory, on_gpu))
-            log(row(text, probe, said, width=34))
+            failures += run_case(log, setting, key, size, text, 34, device_memory)
     return 1 if failures else 0
 
 

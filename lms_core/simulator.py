@@ -7,12 +7,13 @@ consumer waiting for a copy does not hold up ops that could run meanwhile.
 Device memory follows reference counts: a tensor is resident from its producer's start to the end of
 its last device reader. For a swapped tensor the swap-out's copy is one such reader, so the device
 buffer is released only when the copy to the host has finished, and, unless an op waits for that
-copy (sync_mode 1 or 3), only when the host next waits for the GPU after that (see HOST_RUNS_AHEAD). A swap-in's copy starts when its
-trigger has run, the tensor has reached the host and the H2D queue is free; its buffer is resident
-from the copy's start until its last consumer ends, and a consumer whose swap-in has not arrived
-stalls the stream. Copies take bytes / link rate; with an infinite link they take no time, as in
-Grappler's model, and the two estimates can be compared (for plans whose copies out are waited for:
-Grappler counts a swapped tensor gone as its readers end, which the executor does not see otherwise).
+copy (sync_mode 1 or 3), only when the host next waits for the GPU after that (see HOST_RUNS_AHEAD).
+A swap-in's copy starts when its trigger has run, the tensor has reached the host and the H2D queue
+is free; its buffer is resident from the copy's start until its last consumer ends, and a consumer
+whose swap-in has not arrived stalls the stream. Copies take bytes / link rate; with an infinite link
+they take no time, as in Grappler's model, and the two estimates can be compared (for plans whose
+copies out are waited for: Grappler counts a swapped tensor gone as its readers end, which the
+executor does not see otherwise).
 
 Predicts peak device and host memory, step time, stall time, the share of transfer time hidden behind
 compute, and device memory per level; on request (`keep_events`), every device allocation and release

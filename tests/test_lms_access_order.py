@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from lms_core.access_order import (Schedule, lower_bound_s, lowest_free_budget, plan_access_order,
-                                   zero_overhead_point)
+from lms_core.access_order import (Schedule, _paced, choose, find_candidates, lower_bound_s, lowest_free_budget,
+                                   plan_access_order, zero_overhead_point)
 from lms_core.config import LMSConfig
 from lms_core.link import NAMED_LINKS, LinkRates
 from lms_core.plan import Plan
@@ -31,6 +31,17 @@ SLOW = LinkRates("slow", 2 * MIB, 2 * MIB, "test")  # a 4 MiB copy takes 2 s: tw
 
 def unswapped(graph, link=FAST):
     return simulate(graph, Plan(settings={}), unit_costs(graph), link, keep_events=True)
+
+
+def first_round(graph, link, budget):
+    """The planner's first round for `budget` (the tensors `choose` takes, then the waits the
+    replays add in `_paced`), even below the floor, where plan_access_order plans for the floor: the
+    chain's floor is 20 MiB, so its pacing shows only below that."""
+    costs = unit_costs(graph)
+    schedule = Schedule(graph, unswapped(graph, link))
+    candidates, skipped = find_candidates(graph, CONFIG, schedule, link, "", frozenset())
+    chosen, waits, holds, _ = choose(schedule, candidates, link, budget)
+    return _paced(graph, CONFIG, schedule, chosen, waits, holds, link, skipped, [], costs, budget, {})
 
 
 def test_the_chain_peaks_where_the_docstring_says():
@@ -82,8 +93,9 @@ def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_
     """Budget 20 with copies out of 2 s: a ends at t=3, its copy is done at 5, before the peak at 8
     (grad_b). But TensorFlow's executor sees a copy end only when it next waits for the GPU, and
     without a wait that is grad_a's, for its copy back, after the peak: so grad_b, the op allocating
-    at the peak, waits for a's copy, at no cost (it starts at 8, as without swaps). With a budget of
-    8 MiB (below the step's floor, so the plan cannot fit) the device is already over it when c
+    at the peak, waits for a's copy, at no cost (it starts at 8, as without swaps). Aimed at 8 MiB
+    (the planner's first round: 8 MiB is below the step's floor, which the planner plans for
+    instead, next test) the device is already over it when c
     allocates at t=4 (a, b, c): a, read last by b (done at 4), must be gone by then, but its copy is
     only done at 5, so c waits for it."""
     graph = chain_step()
@@ -92,16 +104,31 @@ def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_
     assert {swap.tensor: swap.waiters for swap in relaxed.plan.swaps} == {"a:0": ["gradient_tape/grad_b"]}
     assert relaxed.fits and relaxed.plan.settings["sync_mode"] == 1
     assert {name: start for name, start, _ in relaxed.simulation.executed}["gradient_tape/grad_b"] == 8.0
-    tight = plan_access_order(graph, CONFIG, costs, SLOW, 8 * MIB)
-    waits = {swap.tensor: swap.waiters for swap in tight.plan.swaps}
+    tight, tight_replay = first_round(graph, SLOW, 8 * MIB)
+    waits = {swap.tensor: swap.waiters for swap in tight.swaps}
     assert waits["a:0"] == ["c"]
-    assert tight.plan.settings["sync_mode"] == 1  # the simulator and the rewrite hold waiters in sync mode 1
-    assert tight.simulation.stall_time_s >= 1.0  # c starts at 5, not 4
-    assert not tight.fits
+    assert tight.settings["sync_mode"] == 1  # the simulator and the rewrite hold waiters in sync mode 1
+    assert tight_replay.stall_time_s >= 1.0  # c starts at 5, not 4
+    assert tight_replay.peak_device_bytes > 8 * MIB
+
+
+def test_a_budget_below_the_floor_gets_the_floors_plan():
+    """8 MiB is below the chain's floor, 20 MiB (test_the_floor_is_what_no_swap_can_move): aimed
+    at, it makes c wait a second for a's copy (above) and the step still peaks at 20 MiB. So the
+    planner plans for the floor: the plan for 20 MiB, a waiting at grad_b at no cost, which the
+    result says does not fit 8 MiB."""
+    graph = chain_step()
+    costs = unit_costs(graph)
+    relaxed = plan_access_order(graph, CONFIG, costs, SLOW, 20 * MIB)
+    below = plan_access_order(graph, CONFIG, costs, SLOW, 8 * MIB)
+    assert {s.tensor: s.waiters for s in below.plan.swaps} == {"a:0": ["gradient_tape/grad_b"]}
+    assert below.simulation.step_time_s == relaxed.simulation.step_time_s
+    assert below.simulation.peak_device_bytes == 20 * MIB == below.floor_bytes
+    assert not below.fits and "planned for instead" in below.describe()
 
 
 def test_a_copy_out_still_queued_at_the_replayed_peak_makes_the_op_allocating_there_wait():
-    """Budget 12 MiB, 2 s per copy. a's copy out runs 3-5, so c (allocating at 4: a, b, c) waits
+    """The first round for 12 MiB (below the floor), 2 s per copy. a's copy out runs 3-5, so c (allocating at 4: a, b, c) waits
     for it until 5; b's copy queues behind a's, 5-7. c then runs 5-6, loss 6-7, seed 7-8, grad_c
     8-9. Nothing waits for b's copy, so the executor sees it end only at grad_b, which waits for b's
     copy back: b is still there when grad_c allocates at 8, the replay's peak, and grad_c waits for
@@ -109,9 +136,8 @@ def test_a_copy_out_still_queued_at_the_replayed_peak_makes_the_op_allocating_th
     instant count before its frees, so b, c and seed's output are all there, and seed waits for that
     copy too (the unswapped schedule, on which the waits are first planned, had b's copy done long
     before). grad_c's wait stays, and costs nothing: the copy has ended by then."""
-    graph = chain_step()
-    result = plan_access_order(graph, CONFIG, unit_costs(graph), SLOW, 12 * MIB)
-    assert {swap.tensor: swap.waiters for swap in result.plan.swaps} == {
+    plan, _ = first_round(chain_step(), SLOW, 12 * MIB)
+    assert {swap.tensor: swap.waiters for swap in plan.swaps} == {
         "a:0": ["c"], "b:0": ["gradient_tape/grad_c", "gradient_tape/seed"]}
 
 

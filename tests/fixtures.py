@@ -73,20 +73,23 @@ def unit_costs(graph: Graph) -> dict[str, float]:
     return {name: 1.0 for name in graph.order}  # one second per op: easy to follow by hand
 
 
-def chain_step() -> Graph:
+def chain_step(activations: str = "abc") -> Graph:
     """x -> a -> b -> c -> loss, each activation 4 MiB, and the backward chain reading them in
-    reverse: without swaps a, b and c all sit on the device when the forward pass ends."""
+    reverse: without swaps a, b and c all sit on the device when the forward pass ends. One op per
+    letter of `activations` (default a, b, c)."""
     act = lambda: TensorInfo((4, 256, 256, 4), "float32", 4 * MIB)  # noqa: E731
-    ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)]),
-           Op("a", "Relu", inputs=["x:0"], outputs=[act()]),
-           Op("b", "Relu", inputs=["a:0"], outputs=[act()]),
-           Op("c", "Relu", inputs=["b:0"], outputs=[act()]),
-           Op("loss", "Sum", inputs=["c:0"], outputs=[TensorInfo((), "float32", 4)]),
-           Op("ones", "Const", outputs=[TensorInfo((), "float32", 4)]),
-           Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act()]),
-           Op("gradient_tape/grad_c", "ReluGrad", inputs=["gradient_tape/seed:0", "c:0"], outputs=[act()]),
-           Op("gradient_tape/grad_b", "ReluGrad", inputs=["gradient_tape/grad_c:0", "b:0"], outputs=[act()]),
-           Op("gradient_tape/grad_a", "ReluGrad", inputs=["gradient_tape/grad_b:0", "a:0"], outputs=[act()])]
+    ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)])]
+    previous = "x:0"
+    for name in activations:
+        ops.append(Op(name, "Relu", inputs=[previous], outputs=[act()]))
+        previous = f"{name}:0"
+    ops += [Op("loss", "Sum", inputs=[previous], outputs=[TensorInfo((), "float32", 4)]),
+            Op("ones", "Const", outputs=[TensorInfo((), "float32", 4)]),
+            Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act()])]
+    gradient = "gradient_tape/seed:0"
+    for name in reversed(activations):
+        ops.append(Op(f"gradient_tape/grad_{name}", "ReluGrad", inputs=[gradient, f"{name}:0"], outputs=[act()]))
+        gradient = f"gradient_tape/grad_{name}:0"
     return analyzed(Graph(ops, outputs=["loss:0"]))
 
 

@@ -9,13 +9,14 @@ room. The 3D U-Net at 368^3 on PCIe 3 moves 96 GiB back, 8.6 s of copies; in its
 idled 3.6 s of the backward pass, 2.2 s of it while the device held under 6 GiB (issue 16).
 
 So the replay's copies back are walked in the order they ran. Where the queue was idle before one,
-it is triggered instead by the op that ends first after the queue frees, among the ops on its first
-reader's chain of latest backward inputs (ancestors of the reader, so the plan cannot deadlock), if
-the replay's device memory, plus the copies already moved over that stretch, leaves room for its
-buffer from then until the copy started. The plan is replayed and kept if the step is faster and
-its peak no higher than allowed: of the moves, their first half, quarter and so on, the fastest;
-this repeats while it helps. It changes triggers only: the same
-tensors, the same copies, the same bytes moved.
+it is triggered instead by the op that ends first after the trigger of the copy ahead (so it cannot
+overtake that copy), among the ops on its first reader's chain of latest backward inputs (ancestors
+of the reader, so the plan cannot deadlock); it then starts when that op ends, the queue is free
+and its tensor is on the host, if the replay's device memory, plus the copies already moved over
+that stretch, leaves room for its buffer from then until the copy started. The plan is replayed
+and kept if the step is faster and its peak no higher than allowed: of the moves, their first
+half, quarter and so on, the fastest; this repeats while it helps. It changes triggers only: the
+same tensors, the same copies, the same bytes moved.
 """
 from __future__ import annotations
 

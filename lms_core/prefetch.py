@@ -9,11 +9,12 @@ room. The 3D U-Net at 368^3 on PCIe 3 moves 96 GiB back, 8.6 s of copies; in its
 idled 3.6 s of the backward pass, 2.2 s of it while the device held under 6 GiB (issue 16).
 
 So the replay's copies back are walked in the order they ran. Where the queue was idle before one,
-it is triggered instead by the op that ends first after the trigger of the copy ahead (so it cannot
-overtake that copy), among the ops on its first reader's chain of latest backward inputs (ancestors
-of the reader, so the plan cannot deadlock); it then starts when that op ends, the queue is free
-and its tensor is on the host, if the replay's device memory, plus the copies already moved over
-that stretch, leaves room for its buffer from then until the copy started. The plan is replayed
+it is triggered instead by the op that ends first after the trigger of the copy ahead (so it
+cannot overtake that copy), among the ops on its first reader's chain of latest backward inputs
+(ancestors of the reader, so the plan cannot deadlock), if the replay's device memory, plus the
+copies already moved over that stretch, leaves room for its buffer from that op's end until the
+copy started. (From the trigger's end, though the copy may start later, when the queue is free and
+its tensor on the host: Grappler's estimate, whose copies take no time, holds the buffer from then.) The plan is replayed
 and kept if the step is faster and its peak no higher than allowed: of the moves, their first
 half, quarter and so on, the fastest; this repeats while it helps. It changes triggers only: the
 same tensors, the same copies, the same bytes moved.
@@ -85,9 +86,12 @@ def earlier_triggers(plan: Plan, simulation: SimulationResult, link: LinkRates, 
             # until its tensor is on the host: its new trigger ends after that copy's.
             earlier = _first_ending_after(reader, asked, ends, latest)
             begin = None if earlier is None else max(ends[earlier], queue_free, copied_out)
-            if begin is not None and begin < start - MIN_GAIN_S and usage.most(begin, start) + nbytes <= limit_bytes:
+            # Room is needed from the trigger's end, not the copy's start: Grappler's estimate,
+            # whose copies take no time, holds the buffer from then.
+            if begin is not None and begin < start - MIN_GAIN_S and \
+                    usage.most(ends[earlier], start) + nbytes <= limit_bytes:
                 moved[name], trigger = earlier, earlier
-                usage.add(begin, start, nbytes)
+                usage.add(ends[earlier], start, nbytes)
                 start = begin
         asked = ends.get(trigger, start)
         queue_free = max(queue_free if queue_free is not None else start, start) + nbytes / link.h2d_bytes_per_s

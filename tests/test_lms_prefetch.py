@@ -59,8 +59,10 @@ def test_copies_back_move_into_the_queues_idle_time_and_the_step_shortens_by_it(
 
 def test_a_copy_moves_only_where_the_device_has_room_for_it():
     """In the replay without the moves, at 14 s the device holds grad_d's output, c's copy back and
-    grad_c's new output: 12 MiB, the most it holds over 14-16 s and over 16-18 s. b's copy, moved
-    to start at 14, needs 4 MiB more then: it is moved under a limit of 16 MiB, not of 15. a's copy
+    grad_c's new output: 12 MiB, the most it holds over 13-16 s and over 15-18 s. b's copy, moved
+    to grad_d's trigger, needs 4 MiB more from grad_d's end (13 s: Grappler's estimate holds a copy's
+    buffer from its trigger's end, though the queue is busy until 14): it is moved under a limit of
+    16 MiB, not of 15. a's copy
     moves only behind b's: left where it was, b's copy is asked for when grad_c ends (15 s), and no
     op on grad_a's chain ends after that before a's own trigger, grad_b."""
     graph = chain_step("abcdef")

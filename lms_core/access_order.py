@@ -116,6 +116,7 @@ class AccessOrderResult:
     candidates: int  # tensors it could choose from
     floor_bytes: int = 0  # the most the unswapped schedule holds at one moment that no candidate can leave
     planned_for_floor: bool = False  # the budget was below the floor, and the plan made for the floor was kept
+    copies_moved: int = 0  # copies back triggered earlier, into the link's idle time (lms_core.prefetch)
 
     def describe(self) -> str:
         from lms_core.units import format_bytes
@@ -129,7 +130,8 @@ class AccessOrderResult:
                 + (f"; the budget is below this schedule's floor: {format_bytes(self.floor_bytes)} on the device "
                    f"at one moment of the unswapped order that no swap can move" if self.floor_bytes > self.budget_bytes else "")
                 + ("; the plan made for the floor was kept (a lower peak, or as low and faster)"
-                   if self.planned_for_floor else ""))
+                   if self.planned_for_floor else "")
+                + (f"; {self.copies_moved} copies back moved into the link's idle time" if self.copies_moved else ""))
 
 
 def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, budget_bytes: int,
@@ -160,9 +162,13 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
         at_floor = rounds(floor)
         if _lower_or_cheaper(at_floor[1], simulation, budget_bytes):
             (plan, simulation, replans), planned_for_floor = at_floor, True
-    plan, simulation = fill_idle_link(graph, plan, simulation, costs, link, budget_bytes)
+    moved = 0
+    if config.fill_idle_link:
+        before = {s.name: s.trigger for swap in plan.swaps for s in swap.swap_ins}
+        plan, simulation = fill_idle_link(graph, plan, simulation, costs, link, budget_bytes)
+        moved = sum(s.trigger != before[s.name] for swap in plan.swaps for s in swap.swap_ins)
     return AccessOrderResult(plan, simulation, budget_bytes, simulation.peak_device_bytes <= budget_bytes, replans,
-                             len(candidates), floor, planned_for_floor)
+                             len(candidates), floor, planned_for_floor, moved)
 
 
 def _lower_or_cheaper(one: SimulationResult, other: SimulationResult, budget_bytes: int) -> bool:

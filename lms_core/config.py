@@ -106,6 +106,13 @@ class LMSConfig:
     min_tensor_bytes: int = 1 << 20
     """Tensors smaller than this many bytes are never swapped: their copy costs more than it saves."""
 
+    fill_idle_link: bool = True
+    """Access-order plans: on the replay, trigger copies back earlier where the host-to-device queue
+    would idle and the device has room (lms_core/prefetch.py); triggers only, the same bytes moved.
+    Grappler's estimate, whose copies take no time, can put such a plan higher (the 3D U-Net at
+    368^3 on nvlink2: 15.57 GiB before, 17.89 after), so where the estimate judges "fits" (`plan`,
+    the bench, each rank) a plan it puts over the device memory is made again without this."""
+
     serialize_branches: bool = True
     """Where the backward pass's branches join (a ResNet block's main path and shortcut, the terms of a
     batch-norm gradient), run them one after another, the heavier first, so their temporaries are not

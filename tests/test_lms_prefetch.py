@@ -74,3 +74,15 @@ def test_a_copy_moves_only_where_the_device_has_room_for_it():
     assert earlier_triggers(unmoved, before, SLOW, 15 * MIB, latest) == {}
     assert earlier_triggers(unmoved, before, SLOW, 16 * MIB, latest) == {
         "lms/swapin_b_0_0": GRAD + "d", "lms/swapin_a_0_0": GRAD + "c"}
+
+
+def test_turned_off_the_planner_leaves_the_triggers_the_schedule_gave():
+    """`lms.fill_idle_link: false` (what the estimate's re-plan uses when Grappler puts a plan with
+    moved copies over the device memory): the module docstring's first timeline, step 21 s."""
+    graph = chain_step("abcdef")
+    planned = plan_access_order(graph, LMSConfig(min_tensor_bytes=MIB, fill_idle_link=False), unit_costs(graph),
+                                SLOW, 24 * MIB)
+    assert triggers(planned.plan) == {"a:0": GRAD + "b", "b:0": GRAD + "c", "c:0": GRAD + "e"}
+    assert planned.simulation.step_time_s == 21.0 and planned.copies_moved == 0
+    moved = plan_access_order(graph, CONFIG, unit_costs(graph), SLOW, 24 * MIB)
+    assert moved.copies_moved == 2 and "2 copies back moved into the link's idle time" in moved.describe()

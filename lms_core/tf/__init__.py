@@ -96,8 +96,12 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     times), and the first plan that fits both (the estimate, and the simulator against the recipe's
     budget) is kept. A re-plan whose estimate is no lower does not end the search: plans for nearby
     budgets pick different tensors, and the next budget down may fit (the Seq2Seq recipe at batch
-    6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Each try costs a plan
-    and an estimate; with none that fits both, the tuner's first plan is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and `estimate_rewrite`."""
+    6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, an
+    access-order plan with copies moved into the link's idle time (`lms.fill_idle_link`) that the
+    estimate puts over is planned once without moving them, and the re-plans go on without. Each try
+    costs a plan and an estimate; with none that fits both, the tuner's first plan (without the moves,
+    if it was planned) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
+    `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
@@ -118,8 +122,17 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     if not tunes(config, target):
         return tries[0]
     ratio, notes = config.memory_ratio, []
-    if simulated_fits(tries[0][0]):  # a plan over its own budget: a smaller budget cannot help it
-        while len(tries) <= REPLANS and not tries[-1][1].lms_fits:
+    ordered = tries[0][0].planning.access_order
+    if not tries[0][1].lms_fits and ordered is not None and ordered.copies_moved:
+        # Grappler's copies take no time: it holds a copy moved into the link's idle time from its
+        # trigger on, so the plan as the replay left it may fit where the moved one does not.
+        notes.append(f"the estimate put the plan at {format_bytes(tries[0][1].lms_bytes)}: planned again without "
+                     f"moving copies back into the link's idle time")
+        config = dataclasses.replace(config, fill_idle_link=False)
+        tries.append(planned(config))
+    without_moves = len(tries) - 1  # that try is not one of the REPLANS
+    if simulated_fits(tries[-1][0]):  # a plan over its own budget: a smaller budget cannot help it
+        while len(tries) <= REPLANS + without_moves and not tries[-1][1].lms_fits:
             estimate = tries[-1][1]
             ratio -= (estimate.lms_bytes - device_memory) / device_memory
             if ratio <= 0:
@@ -128,7 +141,7 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
                          f"budget of {format_bytes(int(device_memory * ratio))}")
             tries.append(planned(dataclasses.replace(config, memory_ratio=ratio)))
     both = [t for t in tries if t[1].lms_fits and simulated_fits(t[0])]
-    rewritten, estimate = both[0] if both else tries[0]
+    rewritten, estimate = both[0] if both else tries[without_moves]
     if notes:
         kept = "kept that plan" if both else "none fits both the estimate and the simulated budget: kept the first plan"
         note = f"{'; '.join(notes)}; {kept}"

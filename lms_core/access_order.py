@@ -32,9 +32,11 @@ simulated schedule of the unswapped step:
    (the most the unswapped step holds at one moment with every candidate off the device whenever
    it could be) and the plan misses it, the floor is planned for too, and the better kept: aiming
    below the floor mostly adds copies and waits for the same peak.
-6. **Copies back into the link's idle time.** On the replay, a copy back after idle time on the
+6. **Refined on the replay** (`lms.refine_on_replay`). A copy back after idle time on the
    host-to-device queue is triggered earlier where the device has room (lms_core.prefetch): the
    replay's backward pass is stretched by stalls, which the unswapped schedule's triggers ignore.
+   Then swaps of backward-made tensors that the replay shows are not needed are dropped
+   (lms_core.pruning).
 
 It is not a search over TFLMS's knobs: there are no levels, thresholds or group sizes, only the
 schedule, the sizes and the link's rates, and the smallest set of tensors whose time off the device
@@ -52,6 +54,7 @@ from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
 from lms_core.loops import list_record
 from lms_core.planner import (SHAPE_ONLY_TYPES, latest_backward_inputs, reason_not_to_swap, swap_phase)
 from lms_core.prefetch import fill_idle_link
+from lms_core.pruning import drop_unneeded_swaps
 from lms_core.simulator import SimulationResult, SimulationStalled, simulate
 
 MAX_REPLANS = 6  # rounds of "the replay overshot: plan for less" before the best plan so far is kept
@@ -117,6 +120,12 @@ class AccessOrderResult:
     floor_bytes: int = 0  # the most the unswapped schedule holds at one moment that no candidate can leave
     planned_for_floor: bool = False  # the budget was below the floor, and the plan made for the floor was kept
     copies_moved: int = 0  # copies back triggered earlier, into the link's idle time (lms_core.prefetch)
+    swaps_dropped: int = 0  # swaps the replay showed were not needed (lms_core.pruning)
+
+    @property
+    def refined(self) -> bool:
+        """Whether the replay changed the plan (lms.refine_on_replay)."""
+        return bool(self.copies_moved or self.swaps_dropped)
 
     def describe(self) -> str:
         from lms_core.units import format_bytes
@@ -131,7 +140,8 @@ class AccessOrderResult:
                    f"at one moment of the unswapped order that no swap can move" if self.floor_bytes > self.budget_bytes else "")
                 + ("; the plan made for the floor was kept (a lower peak, or as low and faster)"
                    if self.planned_for_floor else "")
-                + (f"; {self.copies_moved} copies back moved into the link's idle time" if self.copies_moved else ""))
+                + (f"; {self.copies_moved} copies back moved into the link's idle time" if self.copies_moved else "")
+                + (f"; {self.swaps_dropped} swaps the replay did not need dropped" if self.swaps_dropped else ""))
 
 
 def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, budget_bytes: int,
@@ -162,13 +172,14 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
         at_floor = rounds(floor)
         if _lower_or_cheaper(at_floor[1], simulation, budget_bytes):
             (plan, simulation, replans), planned_for_floor = at_floor, True
-    moved = 0
-    if config.fill_idle_link:
+    moved = dropped = 0
+    if config.refine_on_replay:
         before = {s.name: s.trigger for swap in plan.swaps for s in swap.swap_ins}
         plan, simulation = fill_idle_link(graph, plan, simulation, costs, link, budget_bytes)
         moved = sum(s.trigger != before[s.name] for swap in plan.swaps for s in swap.swap_ins)
+        plan, simulation, dropped = drop_unneeded_swaps(graph, plan, simulation, costs, link, budget_bytes)
     return AccessOrderResult(plan, simulation, budget_bytes, simulation.peak_device_bytes <= budget_bytes, replans,
-                             len(candidates), floor, planned_for_floor, moved)
+                             len(candidates), floor, planned_for_floor, moved, dropped)
 
 
 def _lower_or_cheaper(one: SimulationResult, other: SimulationResult, budget_bytes: int) -> bool:

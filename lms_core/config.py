@@ -106,12 +106,14 @@ class LMSConfig:
     min_tensor_bytes: int = 1 << 20
     """Tensors smaller than this many bytes are never swapped: their copy costs more than it saves."""
 
-    fill_idle_link: bool = True
-    """Access-order plans: on the replay, trigger copies back earlier where the host-to-device queue
-    would idle and the device has room (lms_core/prefetch.py); triggers only, the same bytes moved.
-    Grappler's estimate, whose copies take no time, can put such a plan higher (the 3D U-Net at
-    368^3 on nvlink2: 15.57 GiB before, 17.89 after), so where the estimate judges "fits" (`plan`,
-    the bench, each rank) a plan it puts over the device memory is made again without this."""
+    refine_on_replay: bool = True
+    """Access-order plans, on their replay: trigger copies back earlier where the host-to-device queue
+    would idle and the device has room (lms_core/prefetch.py), then drop the swaps of backward-made
+    tensors the replay does not need (lms_core/pruning.py); never a higher peak, always a faster
+    step. Grappler's estimate, whose copies take no time, can put such a plan higher (the 3D U-Net
+    at 368^3 on nvlink2 with copies moved: 17.89 GiB, 15.57 before), so where the estimate judges
+    "fits" (`plan`, the bench, each rank) a refined plan it puts over the device memory is made
+    again without this."""
 
     serialize_branches: bool = True
     """Where the backward pass's branches join (a ResNet block's main path and shortcut, the terms of a

@@ -77,10 +77,10 @@ def test_a_copy_moves_only_where_the_device_has_room_for_it():
 
 
 def test_turned_off_the_planner_leaves_the_triggers_the_schedule_gave():
-    """`lms.fill_idle_link: false` (what the estimate's re-plan uses when Grappler puts a plan with
-    moved copies over the device memory): the module docstring's first timeline, step 21 s."""
+    """`lms.refine_on_replay: false` (what the estimate's re-plan uses when Grappler puts a refined
+    plan over the device memory): the module docstring's first timeline, step 21 s."""
     graph = chain_step("abcdef")
-    planned = plan_access_order(graph, LMSConfig(min_tensor_bytes=MIB, fill_idle_link=False), unit_costs(graph),
+    planned = plan_access_order(graph, LMSConfig(min_tensor_bytes=MIB, refine_on_replay=False), unit_costs(graph),
                                 SLOW, 24 * MIB)
     assert triggers(planned.plan) == {"a:0": GRAD + "b", "b:0": GRAD + "c", "c:0": GRAD + "e"}
     assert planned.simulation.step_time_s == 21.0 and planned.copies_moved == 0

@@ -97,10 +97,10 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     budget) is kept. A re-plan whose estimate is no lower does not end the search: plans for nearby
     budgets pick different tensors, and the next budget down may fit (the Seq2Seq recipe at batch
     6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, an
-    access-order plan with copies moved into the link's idle time (`lms.fill_idle_link`) that the
-    estimate puts over is planned once without moving them, and the re-plans go on without. Each try
-    costs a plan and an estimate; with none that fits both, the tuner's first plan (without the moves,
-    if it was planned) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
+    access-order plan refined on its replay (`lms.refine_on_replay`: copies moved into the link's idle
+    time, swaps dropped) that the estimate puts over is planned once without that, and the re-plans
+    go on without. Each try costs a plan and an estimate; with none that fits both, the tuner's first
+    plan (the unrefined one, if it was planned) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
     `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
@@ -123,12 +123,12 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
         return tries[0]
     ratio, notes = config.memory_ratio, []
     ordered = tries[0][0].planning.access_order
-    if not tries[0][1].lms_fits and ordered is not None and ordered.copies_moved:
+    if not tries[0][1].lms_fits and ordered is not None and ordered.refined:
         # Grappler's copies take no time: it holds a copy moved into the link's idle time from its
-        # trigger on, so the plan as the replay left it may fit where the moved one does not.
+        # trigger on, so the plan as the replay left it may fit where the refined one does not.
         notes.append(f"the estimate put the plan at {format_bytes(tries[0][1].lms_bytes)}: planned again without "
-                     f"moving copies back into the link's idle time")
-        config = dataclasses.replace(config, fill_idle_link=False)
+                     f"refining it on the replay")
+        config = dataclasses.replace(config, refine_on_replay=False)
         tries.append(planned(config))
     without_moves = len(tries) - 1  # that try is not one of the REPLANS
     if simulated_fits(tries[-1][0]):  # a plan over its own budget: a smaller budget cannot help it

@@ -137,7 +137,8 @@ class AccessOrderResult:
                 + (f"; planned {self.replans} more time(s) for a lower budget after the replay overshot"
                    if self.replans else "")
                 + (f"; the budget is below this schedule's floor: {format_bytes(self.floor_bytes)} on the device "
-                   f"at one moment of the unswapped order that no swap can move" if self.floor_bytes > self.budget_bytes else "")
+                   f"at one moment of the unswapped order that no swap can move"
+                   if self.floor_bytes > self.budget_bytes else "")
                 + ("; the plan made for the floor was kept (a lower peak, or as low and faster)"
                    if self.planned_for_floor else "")
                 + (f"; {self.copies_moved} copies back moved into the link's idle time" if self.copies_moved else "")
@@ -231,8 +232,8 @@ def schedule_floor(schedule: Schedule, candidates: list[Candidate]) -> int:
     """The most device memory the unswapped schedule holds at one moment with every candidate off
     the device whenever it could be (from its last near read to each copy back's first reader):
     no plan of these candidates peaks lower while the step keeps this order (a replay whose ops wait
-    for copies runs in another, and can: plan_access_order plans for both). It counts, as the simulator does, an op's
-    new buffers with those its predecessor frees at the same instant."""
+    for copies runs in another, and can: plan_access_order plans for both). It counts, as the
+    simulator does, an op's new buffers with those its predecessor frees at the same instant."""
     usage = list(schedule.usage)
     for candidate in candidates:
         starts = [candidate.near_done_at] + [r.done_at for r in candidate.returns[:-1]]

@@ -14,10 +14,10 @@ cannot overtake that copy), among the ops on its first reader's chain of latest 
 (ancestors of the reader, so the plan cannot deadlock), if the replay's device memory, plus the
 copies already moved over that stretch, leaves room for its buffer from that op's end until the
 copy started. (From the trigger's end, though the copy may start later, when the queue is free and
-its tensor on the host: Grappler's estimate, whose copies take no time, holds the buffer from then.) The plan is replayed
-and kept if the step is faster and its peak no higher than allowed: of the moves, their first
-half, quarter and so on, the fastest; this repeats while it helps. It changes triggers only: the
-same tensors, the same copies, the same bytes moved.
+its tensor on the host: Grappler's estimate, whose copies take no time, holds the buffer from
+then.) The plan is replayed and kept if the step is faster and its peak no higher than allowed: of
+the moves, their first half, quarter and so on, the fastest; this repeats while it helps. It
+changes triggers only: the same tensors, the same copies, the same bytes moved.
 """
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ def earlier_triggers(plan: Plan, simulation: SimulationResult, link: LinkRates, 
     return moved
 
 
-def _first_ending_after(reader: str, moment: float, ends: dict[str, float], latest: dict[str, str | None]) -> str | None:
+def _first_ending_after(reader: str, moment: float, ends: dict[str, float],
+                        latest: dict[str, str | None]) -> str | None:
     """The op on `reader`'s chain of latest backward inputs that ends first after `moment`."""
     found, current = None, latest.get(reader)
     while current is not None and ends.get(current, float("-inf")) > moment:

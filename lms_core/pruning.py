@@ -42,12 +42,10 @@ def drop_unneeded_swaps(graph: Graph, plan: Plan, simulation: SimulationResult, 
         result = replayed({tensor})
         if result is not None and result[1].step_time_s < simulation.step_time_s:
             savings.append((simulation.step_time_s - result[1].step_time_s, tensor))
-    dropped: set[str] = set()
+    kept, dropped = (plan, simulation), set()
     for _, tensor in sorted(savings, reverse=True):
         result = replayed(dropped | {tensor})
-        if result is not None and result[1].step_time_s < simulation.step_time_s:
+        if result is not None and result[1].step_time_s < kept[1].step_time_s:
             dropped.add(tensor)
-            plan_now, simulation = result
-    if not dropped:
-        return plan, simulation, 0
-    return plan_now, simulation, len(dropped)
+            kept = result
+    return *kept, len(dropped)

@@ -94,10 +94,9 @@ def test_a_copy_out_the_link_cannot_finish_in_time_makes_the_op_allocating_then_
     (grad_b). But TensorFlow's executor sees a copy end only when it next waits for the GPU, and
     without a wait that is grad_a's, for its copy back, after the peak: so grad_b, the op allocating
     at the peak, waits for a's copy, at no cost (it starts at 8, as without swaps). Aimed at 8 MiB
-    (the planner's first round: 8 MiB is below the step's floor, which the planner plans for
-    instead, next test) the device is already over it when c
-    allocates at t=4 (a, b, c): a, read last by b (done at 4), must be gone by then, but its copy is
-    only done at 5, so c waits for it."""
+    (the planner's first round: 8 MiB is below the step's floor, which the planner also plans for,
+    next test) the device is already over it when c allocates at t=4 (a, b, c): a, read last by b
+    (done at 4), must be gone by then, but its copy is only done at 5, so c waits for it."""
     graph = chain_step()
     costs = unit_costs(graph)
     relaxed = plan_access_order(graph, CONFIG, costs, SLOW, 20 * MIB)
@@ -134,14 +133,15 @@ def test_below_the_floor_the_plan_for_the_floor_is_kept_unless_aiming_lower_ends
 
 
 def test_a_copy_out_still_queued_at_the_replayed_peak_makes_the_op_allocating_there_wait():
-    """The first round for 12 MiB (below the floor), 2 s per copy. a's copy out runs 3-5, so c (allocating at 4: a, b, c) waits
-    for it until 5; b's copy queues behind a's, 5-7. c then runs 5-6, loss 6-7, seed 7-8, grad_c
-    8-9. Nothing waits for b's copy, so the executor sees it end only at grad_b, which waits for b's
-    copy back: b is still there when grad_c allocates at 8, the replay's peak, and grad_c waits for
-    b's copy. Replayed again, seed allocates at 7, the instant b's copy ends: allocations at an
-    instant count before its frees, so b, c and seed's output are all there, and seed waits for that
-    copy too (the unswapped schedule, on which the waits are first planned, had b's copy done long
-    before). grad_c's wait stays, and costs nothing: the copy has ended by then."""
+    """The first round for 12 MiB (below the floor), 2 s per copy. a's copy out runs 3-5, so c
+    (allocating at 4: a, b, c) waits for it until 5; b's copy queues behind a's, 5-7. c then runs
+    5-6, loss 6-7, seed 7-8, grad_c 8-9. Nothing waits for b's copy, so the executor sees it end
+    only at grad_b, which waits for b's copy back: b is still there when grad_c allocates at 8, the
+    replay's peak, and grad_c waits for b's copy. Replayed again, seed allocates at 7, the instant
+    b's copy ends: allocations at an instant count before its frees, so b, c and seed's output are
+    all there, and seed waits for that copy too (the unswapped schedule, on which the waits are
+    first planned, had b's copy done long before). grad_c's wait stays, and costs nothing: the copy
+    has ended by then."""
     plan, _ = first_round(chain_step(), SLOW, 12 * MIB)
     assert {swap.tensor: swap.waiters for swap in plan.swaps} == {
         "a:0": ["c"], "b:0": ["gradient_tape/grad_c", "gradient_tape/seed"]}

@@ -100,8 +100,8 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     access-order plan refined on its replay (`lms.refine_on_replay`: copies moved into the link's idle
     time, swaps dropped) that the estimate puts over is planned once without that, and the re-plans
     go on without. Each try costs a plan and an estimate; with none that fits both, the tuner's first
-    plan (the unrefined one, if it was planned) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
-    `estimate_rewrite`."""
+    plan (the unrefined one, if it was planned) is returned. Without tuning (`lms.mode: manual`) this
+    is `rewrite` and `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)

@@ -44,6 +44,7 @@ covers the excess.
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -121,6 +122,7 @@ class AccessOrderResult:
     planned_for_floor: bool = False  # the budget was below the floor, and the plan made for the floor was kept
     copies_moved: int = 0  # copies back triggered earlier, into the link's idle time (lms_core.prefetch)
     swaps_dropped: int = 0  # swaps the replay showed were not needed (lms_core.pruning)
+    unrefined: AccessOrderResult | None = None  # when refined: the plan as it was before (refine_on_replay off)
 
     @property
     def refined(self) -> bool:
@@ -173,14 +175,19 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
         at_floor = rounds(floor)
         if _lower_or_cheaper(at_floor[1], simulation, budget_bytes):
             (plan, simulation, replans), planned_for_floor = at_floor, True
-    moved = dropped = 0
-    if config.refine_on_replay:
-        before = {s.name: s.trigger for swap in plan.swaps for s in swap.swap_ins}
-        plan, simulation = fill_idle_link(graph, plan, simulation, costs, link, budget_bytes)
-        moved = sum(s.trigger != before[s.name] for swap in plan.swaps for s in swap.swap_ins)
-        plan, simulation, dropped = drop_unneeded_swaps(graph, plan, simulation, costs, link, budget_bytes)
-    return AccessOrderResult(plan, simulation, budget_bytes, simulation.peak_device_bytes <= budget_bytes, replans,
-                             len(candidates), floor, planned_for_floor, moved, dropped)
+    unrefined = AccessOrderResult(plan, simulation, budget_bytes, simulation.peak_device_bytes <= budget_bytes,
+                                  replans, len(candidates), floor, planned_for_floor)
+    if not config.refine_on_replay:
+        return unrefined
+    before = {s.name: s.trigger for swap in plan.swaps for s in swap.swap_ins}
+    plan, simulation = fill_idle_link(graph, plan, simulation, costs, link, budget_bytes)
+    moved = sum(s.trigger != before[s.name] for swap in plan.swaps for s in swap.swap_ins)
+    plan, simulation, dropped = drop_unneeded_swaps(graph, plan, simulation, costs, link, budget_bytes)
+    if not moved and not dropped:
+        return unrefined
+    return dataclasses.replace(unrefined, plan=plan, simulation=simulation,
+                               fits=simulation.peak_device_bytes <= budget_bytes, copies_moved=moved,
+                               swaps_dropped=dropped, unrefined=unrefined)
 
 
 def _lower_or_cheaper(one: SimulationResult, other: SimulationResult, budget_bytes: int) -> bool:

@@ -107,13 +107,14 @@ class LMSConfig:
     """Tensors smaller than this many bytes are never swapped: their copy costs more than it saves."""
 
     refine_on_replay: bool = True
-    """Access-order plans, on their replay: trigger copies back earlier where the host-to-device queue
-    would idle and the device has room (lms_core/prefetch.py), then drop the swaps of backward-made
-    tensors the replay does not need (lms_core/pruning.py); never a higher peak, always a faster
+    """Plans, on their replay: trigger copies back earlier where the host-to-device queue would idle
+    and the device has room (lms_core/prefetch.py; the access-order plan, and the tuner's chosen
+    distance plan), then, for access-order plans, drop the swaps of backward-made tensors the
+    replay does not need (lms_core/pruning.py); never a higher peak, always a faster
     step. Grappler's estimate, whose copies take no time, can put such a plan higher (the 3D U-Net
     at 368^3 on nvlink2 with copies moved: 17.89 GiB, 15.57 before), so where the estimate judges
-    "fits" (`plan`, the bench, each rank) a refined plan it puts over the device memory is made
-    again without this."""
+    "fits" (`plan`, the bench, each rank) a refined plan it puts over the device memory is tried as
+    it was before this."""
 
     serialize_branches: bool = True
     """Where the backward pass's branches join (a ResNet block's main path and shortcut, the terms of a

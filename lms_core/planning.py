@@ -61,10 +61,17 @@ class Planning:
     costs: dict[str, float] | None = None  # seconds per op the simulation used, when planned for a target
     traced: Graph | None = None  # the step's IR as traced, without the order: what runs without LMS
     access_order: AccessOrderResult | None = None  # when the access-order planner made the plan
+    unrefined: Planning | None = None  # when the plan was refined on its replay: the planning without that
 
     @property
     def plan(self) -> Plan:
         return self.report.plan
+
+    @property
+    def refined(self) -> bool:
+        """Whether the plan was changed on its replay (`lms.refine_on_replay`), by either strategy."""
+        return bool((self.access_order is not None and self.access_order.refined)
+                    or (self.tuning is not None and self.tuning.copies_moved))
 
 
 def tunes(config: LMSConfig, target: Target | None) -> bool:
@@ -109,12 +116,15 @@ def _with_rewrites(planning: Planning, chains: list, reserved: list, deferred: l
         return planning
     plan = dataclasses.replace(planning.plan, add_chains=list(chains), reserved_lists=list(reserved),
                                deferred_zeros=list(deferred))
-    return dataclasses.replace(planning, report=dataclasses.replace(planning.report, plan=plan))
+    unrefined = planning.unrefined and _with_rewrites(planning.unrefined, chains, reserved, deferred)
+    return dataclasses.replace(planning, report=dataclasses.replace(planning.report, plan=plan), unrefined=unrefined)
 
 
 def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
                      target: Target, traced: Graph, edges: list, describe_memory: bool) -> Planning:
-    """The plan of the strategy (or, asked to choose, the better of both) for `target`, replayed."""
+    """The plan of the strategy (or, asked to choose, the better of both) for `target`, replayed.
+    Where the chosen plan was refined on its replay, the planning carries the choice among the plans
+    as they were before (`Planning.unrefined`: what `lms.refine_on_replay: false` plans)."""
     costs, cost_model = op_costs(graph, target)
     device_budget = int(target.device_memory_bytes * config.memory_ratio)
     host_budget = int(target.host_memory_bytes * config.host_memory_ratio)
@@ -123,10 +133,8 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
     options = []
     if strategies(config) & {"distance"}:
         if tunes(config, target):
-            tuning = tune(graph, costs, target.link, device_budget, host_budget, config, compute_device, data_inputs,
-                          control_edges=edges, judge=judge)
-            options.append(_Option(tuning.plan, tuning.simulation, tuning.describe(), tuple(tuning.warnings),
-                                   tuning.fits, tuning=tuning))
+            options.append(_tuned_option(tune(graph, costs, target.link, device_budget, host_budget, config,
+                                              compute_device, data_inputs, control_edges=edges, judge=judge)))
         else:
             plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
             simulation = simulate(graph, plan, costs, target.link)
@@ -134,21 +142,45 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
     if strategies(config) & {"access-order"}:
         options.append(_access_order_option(graph, config, costs, target.link, judge, compute_device, data_inputs,
                                             edges, unlimited))
-    chosen = min(options, key=lambda option: option.rank(device_budget))
+
+    def planning_of(choices: list[_Option], describe: bool) -> Planning:
+        chosen = min(choices, key=lambda option: option.rank(device_budget))
+        text = chosen.text
+        if len(choices) > 1:
+            other = next(option for option in choices if option is not chosen)
+            text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
+                    f"{other.simulation.step_time_s * 1000:.0f} ms, "
+                    f"peak {format_bytes(other.simulation.peak_device_bytes)}")
+        report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
+                            prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings)
+        planning = Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
+        return _with_memory(planning, judge) if describe else planning
+
     bound_s, _ = lower_bound_s(Schedule(graph, unlimited), target.link, device_budget)
-    text = chosen.text
-    if len(options) > 1:
-        other = next(option for option in options if option is not chosen)
-        text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
-                f"{other.simulation.step_time_s * 1000:.0f} ms, peak {format_bytes(other.simulation.peak_device_bytes)}")
-    memory = judge.memory(chosen.plan) if describe_memory else None
-    warnings = chosen.warnings
-    if memory is not None and memory.judge == "live" and not memory.bfc_fits:
+    planning = planning_of(options, describe_memory)
+    if planning.refined:
+        # Described only if used (with_memory): the allocator model replays the plan.
+        before = [option.unrefined(judge, unlimited, target.link) for option in options]
+        planning = dataclasses.replace(planning, unrefined=planning_of(before, describe=False))
+    return planning
+
+
+def with_memory(planning: Planning, config: LMSConfig, compute_device: str, target: Target) -> Planning:
+    """`planning` (for `target`) with its device memory as TensorFlow's allocator and a planned pool
+    would need it in its report: what `plan_graph`'s `describe_memory` adds."""
+    judge = make_judge(config, compute_device, planning.graph, planning.costs, target.link,
+                       int(target.device_memory_bytes * config.memory_ratio),
+                       int(target.host_memory_bytes * config.host_memory_ratio))
+    return _with_memory(planning, judge)
+
+
+def _with_memory(planning: Planning, judge: FitJudge) -> Planning:
+    memory = judge.memory(planning.plan)
+    warnings = planning.report.warnings
+    if memory.judge == "live" and not memory.bfc_fits:
         warnings += (allocator_warning(memory),)
-    report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
-                        prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=warnings,
-                        memory=memory)
-    return Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
+    return dataclasses.replace(planning, report=dataclasses.replace(planning.report, warnings=warnings,
+                                                                    memory=memory))
 
 
 def allocator_warning(memory) -> str:
@@ -169,6 +201,21 @@ def _judged_option(plan: Plan, simulation: SimulationResult, text: str | None, j
     return _Option(plan, simulation, text, tuple(warnings), fits, **made_by)
 
 
+def _tuned_option(tuning: TuningResult) -> "_Option":
+    """The tuner's plan, judged by the tuner."""
+    return _Option(tuning.plan, tuning.simulation, tuning.describe(), tuple(tuning.warnings), tuning.fits,
+                   tuning=tuning)
+
+
+def _ordered_option(ordered: AccessOrderResult, judge: FitJudge, unlimited: SimulationResult,
+                    link: LinkRates) -> "_Option":
+    """An access-order plan, judged."""
+    budget = ordered.budget_bytes
+    text = ordered.describe() + (f"; planned for {format_bytes(budget)} of live bytes so that the BFC "
+                                 f"requirement fits" if budget < judge.device_budget_bytes else "")
+    return _judged_option(ordered.plan, ordered.simulation, text, judge, unlimited, link, access_order=ordered)
+
+
 def _access_order_option(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, judge: FitJudge,
                          compute_device: str, data_inputs: frozenset[str], edges: list,
                          unlimited: SimulationResult) -> "_Option":
@@ -179,9 +226,7 @@ def _access_order_option(graph: Graph, config: LMSConfig, costs: dict[str, float
     for _ in range(BFC_REPLANS + 1):
         ordered = plan_access_order(graph, config, costs, link, budget, compute_device, data_inputs, edges,
                                     unswapped=unlimited)
-        text = ordered.describe() + (f"; planned for {format_bytes(budget)} of live bytes so that the BFC "
-                                     f"requirement fits" if budget < judge.device_budget_bytes else "")
-        option = _judged_option(ordered.plan, ordered.simulation, text, judge, unlimited, link, access_order=ordered)
+        option = _ordered_option(ordered, judge, unlimited, link)
         sim = ordered.simulation
         if option.fits or judge.kind != "bfc" or sim.peak_device_bytes > budget or sim.peak_host_bytes > \
                 judge.host_budget_bytes:
@@ -210,6 +255,14 @@ class _Option:
     fits: bool  # by the judge (lms_core.fit)
     tuning: TuningResult | None = None
     access_order: AccessOrderResult | None = None
+
+    def unrefined(self, judge: FitJudge, unlimited: SimulationResult, link: LinkRates) -> "_Option":
+        """This option as it was before it was refined on its replay (itself if it was not)."""
+        if self.tuning is not None and self.tuning.unrefined is not None:
+            return _tuned_option(self.tuning.unrefined)
+        if self.access_order is not None and self.access_order.unrefined is not None:
+            return _ordered_option(self.access_order.unrefined, judge, unlimited, link)
+        return self
 
     def rank(self, device_budget: int) -> tuple:
         """Fitting beats not fitting; among fitting plans the faster. Among the others the lower

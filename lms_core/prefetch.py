@@ -35,10 +35,11 @@ MIN_GAIN_S = 1e-4  # a copy moved earlier by less than this is left alone
 
 
 def fill_idle_link(graph: Graph, plan: Plan, simulation: SimulationResult, costs: dict[str, float],
-                   link: LinkRates, limit_bytes: int) -> tuple[Plan, SimulationResult]:
+                   link: LinkRates, limit_bytes: int, min_gain: float = 0.0) -> tuple[Plan, SimulationResult]:
     """`plan` with copies back triggered earlier into the host-to-device queue's idle time, and its
     replay (`simulation` must have been made `keep_events`). `limit_bytes`: no peak above this, nor
-    above the plan's own, is accepted."""
+    above the plan's own, is accepted. `min_gain`: the passes end after one that shortens the step
+    by less than this share of it (each pass costs several replays)."""
     if not plan.swaps or not simulation.memory_events:
         return plan, simulation
     limit = max(limit_bytes, simulation.peak_device_bytes)
@@ -61,7 +62,10 @@ def fill_idle_link(graph: Graph, plan: Plan, simulation: SimulationResult, costs
             count //= 2
         if better is None:
             break
+        gain = simulation.step_time_s - better[1].step_time_s
         plan, simulation = better
+        if gain < min_gain * simulation.step_time_s:
+            break
     return plan, simulation
 
 

@@ -73,22 +73,26 @@ def unit_costs(graph: Graph) -> dict[str, float]:
     return {name: 1.0 for name in graph.order}  # one second per op: easy to follow by hand
 
 
-def chain_step(activations: str = "abc") -> Graph:
+def chain_step(activations: str = "abc", mib: dict[str, float] | None = None) -> Graph:
     """x -> a -> b -> c -> loss, each activation 4 MiB, and the backward chain reading them in
     reverse: without swaps a, b and c all sit on the device when the forward pass ends. One op per
-    letter of `activations` (default a, b, c)."""
-    act = lambda: TensorInfo((4, 256, 256, 4), "float32", 4 * MIB)  # noqa: E731
+    letter of `activations` (default a, b, c); `mib` sizes some of them otherwise (each gradient is
+    the size of its activation)."""
+    def act(name: str) -> TensorInfo:
+        size = (mib or {}).get(name, 4)
+        shape = (4, 256, 256, 4) if size == 4 else (int(size * MIB) // 4,)
+        return TensorInfo(shape, "float32", int(size * MIB))
     ops = [Op("x", "Placeholder", outputs=[TensorInfo((4,), "float32", 16)])]
     previous = "x:0"
     for name in activations:
-        ops.append(Op(name, "Relu", inputs=[previous], outputs=[act()]))
+        ops.append(Op(name, "Relu", inputs=[previous], outputs=[act(name)]))
         previous = f"{name}:0"
     ops += [Op("loss", "Sum", inputs=[previous], outputs=[TensorInfo((), "float32", 4)]),
             Op("ones", "Const", outputs=[TensorInfo((), "float32", 4)]),
-            Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act()])]
+            Op("gradient_tape/seed", "Mul", inputs=["ones:0", "loss:0"], outputs=[act(activations[-1])])]
     gradient = "gradient_tape/seed:0"
     for name in reversed(activations):
-        ops.append(Op(f"gradient_tape/grad_{name}", "ReluGrad", inputs=[gradient, f"{name}:0"], outputs=[act()]))
+        ops.append(Op(f"gradient_tape/grad_{name}", "ReluGrad", inputs=[gradient, f"{name}:0"], outputs=[act(name)]))
         gradient = f"gradient_tape/grad_{name}:0"
     return analyzed(Graph(ops, outputs=["loss:0"]))
 

@@ -86,3 +86,6 @@ def test_turned_off_the_planner_leaves_the_triggers_the_schedule_gave():
     assert planned.simulation.step_time_s == 21.0 and planned.copies_moved == 0
     moved = plan_access_order(graph, CONFIG, unit_costs(graph), SLOW, 24 * MIB)
     assert moved.copies_moved == 2 and "2 copies back moved into the link's idle time" in moved.describe()
+    # The refined result keeps the plan as it was, for Grappler's second opinion (rewrite_within_estimate).
+    assert moved.unrefined.plan.swaps == planned.plan.swaps and moved.unrefined.simulation.step_time_s == 21.0
+    assert planned.unrefined is None

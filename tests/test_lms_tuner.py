@@ -1,6 +1,7 @@
 """The auto-tuner: fastest settings within the budget, for each rank's own link; deterministic."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from lms_core.config import CustomDevice, LMSConfig
 from lms_core.costs import PROFILES, op_seconds
 from lms_core.link import NAMED_LINKS, LinkRates
+from lms_core.planning import Target, plan_graph, with_memory
 from lms_core.tuner import tune
 from tests.fixtures import MIB
 from tests.fixtures import chain_step, conv_graph, unit_costs
@@ -178,3 +180,65 @@ def test_the_tuner_survives_plans_whose_trigger_runs_before_the_tensor_is_on_the
     rewritten = lms_tf.rewrite(setup.step, *setup.specs, config=recipe.lms, target=target)
     assert rewritten.planning.tuning.simulations > 10
     assert any(s.producer_level > 0 and "gradient_tape/" in s.tensor for s in rewritten.plan.swaps)
+
+
+def test_the_chosen_plans_copies_back_are_moved_into_the_links_idle_time():
+    """Ten activations, one op per second; a, d, g and j 4 MiB, the rest 0.5 MiB (below the size
+    floor: never swapped); copies of 2 s each way. Within 16 MiB the tuner swaps a, d and g and
+    triggers each copy back two levels before its reader: g's by grad_i, d's by grad_f, a's by
+    grad_c. With grad_a9 at 20 s, the replay runs:
+
+        g: grad_i ends 22, copy 22-24, grad_g waits, 24-25
+        d: grad_f ends 26, copy 26-28, grad_d waits, 28-29
+        a: grad_c ends 30, copy 30-32, grad_a waits, 32-33      step 33 s, the queue idle 24-26, 28-30
+
+    d's copy is then triggered by the first op on grad_d's chain that ends after g's trigger:
+    grad_h (ends 23). It starts when the queue frees, 24-26, and grad_d runs at 27 without
+    waiting; the step after it moves a second earlier: a's copy 29-31, grad_a 31-32, step 32 s.
+    a's copy stays: triggered by grad_g, it would hold its 4 MiB from 25 s, when the device
+    already holds 15 MiB (the move needs a limit of 19 MiB)."""
+    g = chain_step("abcdefghij", mib={name: 0.5 for name in "bcefhi"})
+    costs = unit_costs(g)
+    unrefined = tune(g, costs, SLOW, 16 * MIB, 1 << 30, dataclasses.replace(BASE, refine_on_replay=False))
+    refined = tune(g, costs, SLOW, 16 * MIB, 1 << 30, BASE)
+
+    def triggers(result) -> dict[str, str]:
+        return {swap.tensor: swap_in.trigger.rpartition("/")[2] for swap in result.plan.swaps
+                for swap_in in swap.swap_ins}
+
+    assert triggers(unrefined) == {"a:0": "grad_c", "d:0": "grad_f", "g:0": "grad_i"}
+    assert unrefined.simulation.h2d_busy == [(22.0, 24.0), (26.0, 28.0), (30.0, 32.0)]
+    assert unrefined.simulation.step_time_s == 33.0 and unrefined.copies_moved == 0
+    assert triggers(refined) == {"a:0": "grad_c", "d:0": "grad_h", "g:0": "grad_i"}
+    assert refined.simulation.h2d_busy == [(22.0, 24.0), (24.0, 26.0), (29.0, 31.0)]
+    assert refined.simulation.step_time_s == 32.0 and refined.copies_moved == 1
+    # The same settings, tensors and bytes; no higher peak, still within the budget.
+    assert refined.settings_text().startswith(unrefined.settings_text()) and refined.fits
+    assert refined.simulation.traffic_bytes == unrefined.simulation.traffic_bytes == 3 * 2 * 4 * MIB
+    assert refined.simulation.peak_device_bytes <= unrefined.simulation.peak_device_bytes <= 16 * MIB
+    assert "1 copies back moved into the link's idle time" in refined.describe()
+
+
+def test_a_refined_plan_keeps_the_plan_as_tuned_for_a_second_opinion():
+    """Grappler's estimate, which judges "fits" in `plan`, the bench and each rank, has copies that
+    take no time, so it can put a plan with moved copies over where the plan as tuned fits
+    (lms_core.tf.rewrite_within_estimate then tries that one). The planning carries it: the same
+    plan and replay as planning again with `refine_on_replay` off, and the same choice between
+    strategies. The case of the test above, planned through `plan_graph` with the chain's op times
+    given as measured (so the costs are one second per op)."""
+    g = chain_step("abcdefghij", mib={name: 0.5 for name in "bcefhi"})
+    target = Target(SLOW, PROFILES["v100"], device_memory_bytes=16 * MIB, host_memory_bytes=1 << 30,
+                    measured_op_seconds=unit_costs(g))
+    config = dataclasses.replace(BASE, mode="auto", strategy="distance", memory_ratio=1.0)
+    planning = plan_graph(g, config, target=target)
+    assert planning.refined and planning.simulation.step_time_s == 32.0
+    unrefined = planning.unrefined
+    assert not unrefined.refined and unrefined.unrefined is None
+    assert unrefined.simulation.step_time_s == 33.0 and unrefined.report.prediction.step_time_s == 33.0
+    again = plan_graph(g, dataclasses.replace(config, refine_on_replay=False), target=target, describe_memory=True)
+    assert again.unrefined is None and again.plan.swaps == unrefined.plan.swaps
+    # Its allocator figures are made only when it is used, and are the same as planning again makes.
+    assert unrefined.report.memory is None
+    assert with_memory(unrefined, config, "", target).report.memory == again.report.memory is not None
+    assert {s.trigger for swap in planning.plan.swaps for s in swap.swap_ins} - \
+        {s.trigger for swap in unrefined.plan.swaps for s in swap.swap_ins} == {"gradient_tape/grad_h"}

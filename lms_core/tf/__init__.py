@@ -25,7 +25,7 @@ from lms_core.passes.pipeline import analyze as run_analyses
 from lms_core.plan import Plan
 from lms_core.report import MemoryEstimate, PlanReport
 from lms_core.planner import device_kind
-from lms_core.planning import Planning, Target, plan_graph, tunes
+from lms_core.planning import Planning, Target, plan_graph, tunes, with_memory
 from lms_core.reserved_lists import with_reserved_lists
 from lms_core.units import format_bytes
 from lms_core.tf.apply import Placement, apply_plan, host_ops
@@ -96,21 +96,29 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     times), and the first plan that fits both (the estimate, and the simulator against the recipe's
     budget) is kept. A re-plan whose estimate is no lower does not end the search: plans for nearby
     budgets pick different tensors, and the next budget down may fit (the Seq2Seq recipe at batch
-    6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, an
-    access-order plan refined on its replay (`lms.refine_on_replay`: copies moved into the link's idle
-    time, swaps dropped) that the estimate puts over is planned once without that, and the re-plans
-    go on without. Each try costs a plan and an estimate; with none that fits both, the tuner's first
-    plan (the unrefined one, if it was planned) is returned. Without tuning (`lms.mode: manual`) this
-    is `rewrite` and `estimate_rewrite`."""
+    6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, a
+    plan refined on its replay (`lms.refine_on_replay`: copies moved into the link's idle time, and
+    for access-order swaps dropped) that the estimate puts over is tried as it was before that (the
+    planner keeps it: an estimate, not a plan), and the re-plans go on without. Each re-plan costs
+    a plan and an estimate; with none that fits both, the tuner's first plan (the unrefined one, if
+    it was tried) is returned. Without tuning
+    (`lms.mode: manual`) this is `rewrite` and `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
     device_memory = target.device_memory_bytes
 
-    def planned(settings: LMSConfig) -> tuple[RewrittenStep, MemoryEstimate]:
-        planning = plan_graph(traced.graph, settings, compute_device, traced.data_inputs, target, describe_memory)
+    baseline: list[PeakEstimate] = []  # the unswapped step's estimate, made once for every try
+
+    def estimated(planning: Planning) -> tuple[RewrittenStep, MemoryEstimate]:
         rewritten = _applied(traced, planning, compute_device, host_device, Placement.GATED_ON_HOST)
-        return rewritten, estimate_rewrite(rewritten, device_memory)
+        if not baseline:
+            baseline.append(estimate_peak(traced.concrete.graph.as_graph_def(), traced.concrete, device_memory))
+        return rewritten, estimate_rewrite(rewritten, device_memory, baseline[0])
+
+    def planned(settings: LMSConfig) -> tuple[RewrittenStep, MemoryEstimate]:
+        return estimated(plan_graph(traced.graph, settings, compute_device, traced.data_inputs, target,
+                                    describe_memory))
 
     budget = int(device_memory * config.memory_ratio)
 
@@ -122,14 +130,18 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     if not tunes(config, target):
         return tries[0]
     ratio, notes = config.memory_ratio, []
-    ordered = tries[0][0].planning.access_order
-    if not tries[0][1].lms_fits and ordered is not None and ordered.refined:
+    if not tries[0][1].lms_fits and tries[0][0].planning.unrefined is not None:
         # Grappler's copies take no time: it holds a copy moved into the link's idle time from its
-        # trigger on, so the plan as the replay left it may fit where the refined one does not.
-        notes.append(f"the estimate put the plan at {format_bytes(tries[0][1].lms_bytes)}: planned again without "
+        # trigger on, so the plan as the replay left it may fit where the refined one does not. The
+        # planner kept it (the same as planning again with lms.refine_on_replay off).
+        notes.append(f"the estimate put the plan at {format_bytes(tries[0][1].lms_bytes)}: tried it without "
                      f"refining it on the replay")
         config = dataclasses.replace(config, refine_on_replay=False)
-        tries.append(planned(config))
+        unrefined = tries[0][0].planning.unrefined
+        plan = dataclasses.replace(unrefined.plan, settings={**unrefined.plan.settings, "refine_on_replay": False})
+        unrefined = dataclasses.replace(unrefined, report=dataclasses.replace(unrefined.report, plan=plan))
+        tries.append(estimated(with_memory(unrefined, config, compute_device, target) if describe_memory
+                               else unrefined))
     without_moves = len(tries) - 1  # that try is not one of the REPLANS
     if simulated_fits(tries[-1][0]):  # a plan over its own budget: a smaller budget cannot help it
         while len(tries) <= REPLANS + without_moves and not tries[-1][1].lms_fits:
@@ -179,10 +191,13 @@ def _applied(traced: TracedStep, planning: Planning, compute_device: str, host_d
                          host_ops=frozenset(host_ops(planning.plan, placement)))
 
 
-def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int) -> MemoryEstimate:
+def estimate_rewrite(rewritten: RewrittenStep, device_memory_bytes: int,
+                     baseline: PeakEstimate | None = None) -> MemoryEstimate:
     """Grappler's peak estimates for the original and the rewritten step on a virtual GPU of this
-    size, with the rewrite's host-side ops on the host."""
-    baseline = estimate_peak(rewritten.concrete.graph.as_graph_def(), rewritten.concrete, device_memory_bytes)
+    size, with the rewrite's host-side ops on the host. `baseline`: the original step's estimate,
+    where the caller has it (the same for every rewrite of one trace)."""
+    if baseline is None:
+        baseline = estimate_peak(rewritten.concrete.graph.as_graph_def(), rewritten.concrete, device_memory_bytes)
     lms = estimate_peak(rewritten.graph_def, rewritten.concrete, device_memory_bytes, host_ops=rewritten.host_ops)
     # Grappler sizes a loop's TensorList accumulators as nothing; the IR knows their size.
     loops = unseen_bytes(rewritten.planning.graph, {swap.tensor for swap in rewritten.plan.swaps})

@@ -160,8 +160,10 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
     planning = planning_of(options, describe_memory)
     if planning.refined:
         # Described only if used (with_memory): the allocator model replays the plan.
-        before = [option.unrefined(judge, unlimited, target.link) for option in options]
-        planning = dataclasses.replace(planning, unrefined=planning_of(before, describe=False))
+        before = planning_of([option.unrefined(judge, unlimited, target.link) for option in options], describe=False)
+        plan = dataclasses.replace(before.plan, settings={**before.plan.settings, "refine_on_replay": False})
+        planning = dataclasses.replace(planning, unrefined=dataclasses.replace(
+            before, report=dataclasses.replace(before.report, plan=plan)))
     return planning
 
 

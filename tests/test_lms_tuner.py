@@ -237,6 +237,7 @@ def test_a_refined_plan_keeps_the_plan_as_tuned_for_a_second_opinion():
     assert unrefined.simulation.step_time_s == 33.0 and unrefined.report.prediction.step_time_s == 33.0
     again = plan_graph(g, dataclasses.replace(config, refine_on_replay=False), target=target, describe_memory=True)
     assert again.unrefined is None and again.plan.swaps == unrefined.plan.swaps
+    assert unrefined.plan.settings == again.plan.settings  # refine_on_replay: false, as it was made
     # Its allocator figures are made only when it is used, and are the same as planning again makes.
     assert unrefined.report.memory is None
     assert with_memory(unrefined, config, "", target).report.memory == again.report.memory is not None

@@ -101,8 +101,8 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
     for access-order swaps dropped) that the estimate puts over is tried as it was before that (the
     planner keeps it: an estimate, not a plan), and the re-plans go on without. Each re-plan costs
     a plan and an estimate; with none that fits both, the tuner's first plan (the unrefined one, if
-    it was tried) is returned. Without tuning
-    (`lms.mode: manual`) this is `rewrite` and `estimate_rewrite`."""
+    it was tried) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
+    `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
@@ -138,8 +138,6 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
                      f"refining it on the replay")
         config = dataclasses.replace(config, refine_on_replay=False)
         unrefined = tries[0][0].planning.unrefined
-        plan = dataclasses.replace(unrefined.plan, settings={**unrefined.plan.settings, "refine_on_replay": False})
-        unrefined = dataclasses.replace(unrefined, report=dataclasses.replace(unrefined.report, plan=plan))
         tries.append(estimated(with_memory(unrefined, config, compute_device, target) if describe_memory
                                else unrefined))
     without_moves = len(tries) - 1  # that try is not one of the REPLANS

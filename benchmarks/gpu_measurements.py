@@ -88,6 +88,10 @@ VARIANTS = {
     "swapouts": ("resnet50", 256, False, [("LMS off", "none", []),
                                           ("sync 0", "lms-launch", ["lms.mode=manual", "lms.sync_mode=0"]),
                                           ("sync 1", "lms-launch", ["lms.mode=manual", "lms.sync_mode=1"])]),
+    # Issue 32, item 1: recipes/resnet50.yaml as it ships (auto-tuned, calibrated on the GPU) held to the
+    # device memory, and the same step without LMS on the whole GPU (what LMS is measured against).
+    "shipped": ("resnet50", 256, True, [("as shipped", "lms-launch", [])]),
+    "unswapped": ("resnet50", 256, False, [("LMS off", "none", [])]),
     "judges": ("unet3d", 256, True, [("live judge", "lms-launch", ["lms.fit_judge=live"]),
                                      ("bfc judge", "lms-launch", ["lms.fit_judge=bfc"])]),
     # The harness on a CPU (tests/test_gpu_measurements.py): the CPU recipe's U-Net, seconds a case.
@@ -280,7 +284,18 @@ def run_case(log: Log, setting, key: str, size: int, label: str, width: int, dev
     said = (plan_figures(Path(probe.data["run_dir"])) if key == "lms-launch"
             else unswapped_figures(setting.recipe, setting.axis, size, device_memory, setting.on_gpu))
     log(row(label, probe, said, width=width))
+    if key == "lms-launch":
+        for line in calibration_lines(Path(probe.data["run_dir"])):
+            log(f"{'':<{width}}   {line}")
     return 0
+
+
+def calibration_lines(run_dir: Path) -> list[str]:
+    """The rank's calibration rounds (launcher.lms.calibrate), as its log said them."""
+    import json
+
+    plan = json.loads((run_dir / "lms" / "plan-rank0.json").read_text())
+    return [line for line in plan.get("log", []) if line.startswith("calibration round")]
 
 
 def part_variants(log: Log, names: list[str], device_memory: int, workdir: Path) -> int:

@@ -106,6 +106,7 @@ def run_rank(recipe: Recipe, ctx, run_dir: Path, resume: bool) -> int:
     from launcher.lms.step import LMSSetupError, prepare_step
     from launcher.rank import checkpoint, collectives, training
     from launcher.rank.oom import out_of_memory_advice, OUT_OF_MEMORY_STATUS
+    from lms_core.tf.allocations import out_of_memory
 
     say = _root_printer(ctx)
     recipe = precision_for_device(recipe, ctx, say)
@@ -122,14 +123,19 @@ def run_rank(recipe: Recipe, ctx, run_dir: Path, resume: bool) -> int:
     resumed.restore_own_state(setup.model, ctx, log=say)  # each rank's own batch-norm statistics again
     try:
         # The one place the traced step is handed to LMS (it comes back unchanged when lms.enabled is false).
+        # Calibration measures plans on the step without its allreduce: a rank out of memory leaves none waiting.
+        local_step = (training.make_train_step(setup.model, setup.optimizer, setup.task, 1)
+                      if ctx.size > 1 and recipe.lms.enabled else None)
         step = prepare_step(setup.step, setup.specs, recipe.lms, ctx, run_dir, log=print if ctx.is_root else None,
-                            variables=state)
+                            variables=state, local_step=local_step)
         result = train(recipe, ctx, setup, step, run_dir, resumed.step, say)
     except LMSSetupError as err:  # raised on every rank alike, before any training step
         raise RankFailure(FAILED_STATUS, f"LMS: {err}", alike=True) from None
-    except tf.errors.ResourceExhaustedError as err:  # a step did not fit the device
-        advice = out_of_memory_advice(recipe, ctx.rank, ctx.device, err.message or str(err))
-        raise RankFailure(OUT_OF_MEMORY_STATUS, advice) from None
+    except (tf.errors.ResourceExhaustedError, tf.errors.NotFoundError, tf.errors.InternalError) as err:
+        reason = out_of_memory(err)  # a step did not fit the device, however TensorFlow words it
+        if reason is None:
+            raise
+        raise RankFailure(OUT_OF_MEMORY_STATUS, out_of_memory_advice(recipe, ctx.rank, ctx.device, reason)) from None
     if result.stopped_by:
         return result.stop_status
     finish(recipe, ctx, setup, result, run_dir, resumed.step)

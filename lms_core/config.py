@@ -181,6 +181,15 @@ class LMSConfig:
     profile_steps: int = 3
     """How many steps `measure_ops` profiles (after one unprofiled warm-up step). Must be >= 1."""
 
+    calibrate_steps: int = 3
+    """On a GPU in mode auto, how many steps of each plan run before training to measure its real peak
+    (the first is not counted: it pays for tracing and cuDNN's algorithm search); where it does not
+    fit, the rank plans again for a budget lowered by what the models missed (lms_core/driver.py).
+    Weights are restored afterwards. 0 turns calibration off; CPU ranks never calibrate."""
+
+    calibrate_rounds: int = 4
+    """The most plans calibration measures (each costs a plan and `calibrate_steps` steps). Must be >= 1."""
+
     device_memory: int | str | None = None
     """Device memory to plan for, e.g. `16GiB` (default: the GPU's, or the profile's without one)."""
 
@@ -251,6 +260,10 @@ class LMSConfig:
         if isinstance(self.device, str) and self.device != "auto" and self.device not in PROFILES:
             raise SettingError("device", f"must be auto, one of {', '.join(PROFILES)}, or a custom profile "
                                          f"{{tflops, memory_gb_per_s, memory}}; got {self.device!r}")
+        if self.calibrate_steps < 0:
+            raise SettingError("calibrate_steps", f"must be >= 0 (0: no calibration), got {self.calibrate_steps}")
+        if self.calibrate_rounds < 1:
+            raise SettingError("calibrate_rounds", f"must be >= 1, got {self.calibrate_rounds}")
         if self.profile_steps < 1:
             raise SettingError("profile_steps", f"must be >= 1, got {self.profile_steps}")
         self.device_memory_bytes = _bytes("device_memory", self.device_memory)

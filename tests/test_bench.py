@@ -13,6 +13,7 @@ from pathlib import Path
 
 import keras
 import psutil
+import re
 import pytest
 import tensorflow as tf
 
@@ -28,6 +29,7 @@ from tests.fixtures import RECIPES
 from benchmarks.architectures import conv_relu_step
 
 MIB = 2**20
+GIB = 2**30
 TINY_UNET = ["--set", "model.input_shape=[16,16,16,4]", "--set", "model.levels=2", "--set", "model.base_filters=4"]
 
 
@@ -434,3 +436,39 @@ def test_on_a_gpu_the_auto_judge_runs_each_candidate_and_finds_the_gpu_s_own_lim
     assert failed and all("OOM when allocating" in p["out_of_memory"] or "ran out of memory" in p["out_of_memory"]
                           for p in failed)
     assert [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before] == []  # none left
+
+
+def test_real_runs_plan_for_this_machine_s_host_memory_unless_told():
+    """A probe pins what its plan parks on the host: planned for a 512 GiB host on a 125 GiB machine,
+    an H200's probe at batch 1024 asked for 64 GiB of pinned memory at once and was killed
+    (benchmarks/results/gpu-h200-bench-max-batch.txt). Estimates keep a host that bounds nothing."""
+    from launcher.bench.command import parser, resolve, run_setting
+
+    recipe = str(RECIPES / "unet3d-cpu.yaml")
+
+    def host_memory(*flags: str) -> int:
+        argv = ["max-batch", recipe, *flags]
+        return resolve(parser().parse_args(argv), argv).host_memory_bytes
+
+    assert host_memory("--judge", "run") == psutil.virtual_memory().total
+    assert host_memory("--judge", "estimate") == 512 * GIB
+    assert host_memory("--judge", "run", "--host-memory", "64GiB") == 64 * GIB
+    argv = ["max-batch", recipe, "--judge", "run"]
+    setting = run_setting(resolve(parser().parse_args(argv), argv), Path("/tmp"))
+    assert f"lms.host_memory={psutil.virtual_memory().total}" in setting.lms_overrides
+
+
+def test_a_probe_failing_for_another_reason_keeps_the_probes_logs_the_error_names(tmp_path, capsys):
+    """No results, but the log the error points to exists: the probes' folders are moved beside --out."""
+    from launcher.bench import command
+
+    out = tmp_path / "out"
+    status = command.main(["max-batch", str(RECIPES / "unet3d-cpu.yaml"), "--judge", "run", "--configs", "none",
+                           "--max", "2", "--run-steps", "3", "--no-floor-bound", "--out", str(out),
+                           "--set", "data.source=tfrecord", "--set", f"data.path={tmp_path / 'no-such-records'}"])
+    err = capsys.readouterr().err
+    assert status == 1 and not out.exists()
+    kept = tmp_path / "out.probes"
+    assert f"the probes' logs are kept in {kept}/" in err
+    named = re.search(r"its output is in (\S+output\.log)", err).group(1)
+    assert named.startswith(str(kept)) and "no-such-records" in Path(named).read_text()

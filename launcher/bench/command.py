@@ -15,7 +15,8 @@ of each candidate in a fresh process; out of memory is detected; measured sample
 where NVML sees a GPU, else estimate). The output says which judge was used.
 
 Exit status: 0 done; 2 bad input (nothing is written); 1 a probe failed for another reason than
-memory; 130 after Ctrl-C and 143 after SIGTERM (nothing is written either, and no probe is left running).
+memory (no results; the probes' logs are kept beside --out, in OUT.probes/); 130 after Ctrl-C and 143
+after SIGTERM (nothing is written either, and no probe is left running).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from lms_core.nvml import GpuInfo, probe_gpu
 from lms_core.units import format_bytes, parse_bytes
 
 DEFAULT_DEVICE_MEMORY = "16GiB"  # the papers' 16 GB V100 and P100
-DEFAULT_HOST_MEMORY = "512GiB"  # a host that does not bound the search (the papers' POWER9 hosts held more)
+DEFAULT_HOST_MEMORY = "512GiB"  # estimate judge: a host that does not bound the search (the papers' POWER9 hosts held more)
 DEFAULT_LINK = "nvlink2"  # the papers' POWER9-V100 link, and the issue's goals
 DEFAULT_LINKS = "nvlink2,pcie3"
 DEFAULT_DEVICE = "v100"
@@ -78,7 +79,7 @@ def parser() -> UsageParser:
     p.add_argument("--device-memory", help=f"device memory to fit (default {DEFAULT_DEVICE_MEMORY}; with --judge run "
                                            f"on a GPU, the GPU's own; given, the GPU is held to it)")
     p.add_argument("--host-memory", help=f"host memory lms-launch may park swaps in (default lms.host_memory, else "
-                                         f"{DEFAULT_HOST_MEMORY})")
+                                         f"{DEFAULT_HOST_MEMORY}; with --judge run, this machine's)")
     p.add_argument("--link", help=f"the link lms-launch tunes for and times are predicted on (default {DEFAULT_LINK}; "
                                   f"with --judge run, each rank's own)")
     p.add_argument("--links", default=DEFAULT_LINKS,
@@ -135,6 +136,18 @@ class BenchSetup:
         return self.gpu is not None
 
 
+def default_host_memory(judge: str) -> int:
+    """What lms-launch may park swaps in when nothing says: for real runs this machine's memory (the
+    probes pin it: planned for 512 GiB on a 125 GiB machine, an H200's probe at batch 1024 asked
+    for 64 GiB of pinned memory at once and was killed, 2026-11-27); for estimates a host that does
+    not bound the search."""
+    if judge == "run":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return parse_bytes(DEFAULT_HOST_MEMORY)
+
+
 def resolve(args: argparse.Namespace, argv: list[str]) -> BenchSetup:
     """Checks every input and works out the defaults; raises UsageError, RecipeError or
     SettingError naming what to change."""
@@ -148,7 +161,7 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> BenchSetup:
     if device_memory is None and not (judge == "run" and gpu is not None):
         device_memory = parse_bytes(DEFAULT_DEVICE_MEMORY)
     host_memory = (_bytes_flag("--host-memory", args.host_memory) or recipe.lms.host_memory_bytes
-                   or parse_bytes(DEFAULT_HOST_MEMORY))
+                   or default_host_memory(judge))
     if args.device is not None and args.device not in PROFILES:
         raise UsageError(f"--device: {args.device!r} is not a device profile; use one of {', '.join(PROFILES)}")
     if args.run_steps <= RUN_SKIP_STEPS:
@@ -307,8 +320,12 @@ def main(argv: list[str]) -> int:
         report = run(setup, work)
         write_report(report, work, setup.out.absolute())
     except ProbeError as err:
+        # No results, but the failed probe's log is what the error sends the user to: keep the probes.
+        kept = keep_probes(work, setup.out)
         discard(work)
-        print(f"lms-launch bench: error: {err}\nnothing was written", file=sys.stderr)
+        message = str(err).replace(str(work / "probes"), str(kept)) if kept else str(err)
+        print(f"lms-launch bench: error: {message}\nno results were written" +
+              (f"; the probes' logs are kept in {kept}/" if kept else ""), file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Stopped) as stop:
         discard(work)
@@ -324,6 +341,20 @@ def main(argv: list[str]) -> int:
     print(markdown(report))
     print(f"results written to {setup.out}/ (results.md, results.csv, results.png, probes.csv, bench.json)")
     return 0
+
+
+def keep_probes(work: Path, out: Path) -> Path | None:
+    """Moves the probes' run folders (output.log, plan) of an unfinished bench beside --out, as
+    OUT.probes (a number added if that exists); None when there were none."""
+    probes = work / "probes"
+    if not probes.is_dir() or not any(probes.iterdir()):
+        return None
+    kept, n = out.with_name(out.name + ".probes"), 1
+    while kept.exists():
+        n += 1
+        kept = out.with_name(f"{out.name}.probes-{n}")
+    probes.rename(kept)
+    return kept
 
 
 def run(setup: BenchSetup, work: Path):

@@ -43,6 +43,7 @@ OOM_PATTERNS = (
     re.compile(r"OOM when allocating[^\n]*"),
     re.compile(r"ran out of memory trying to allocate[^\n]*"),  # TensorFlow's BFC allocator, before a crash
     re.compile(r"ResourceExhaustedError[^\n]*"),
+    re.compile(r"cuDNN found no convolution algorithm[^\n]*"),  # the worker's word for cuDNN's NotFoundError
 )
 LAST_LINES = 12  # of a failed probe's output, in the error
 
@@ -146,6 +147,10 @@ def run_probe(setting: RunSetting, key: str, size: int) -> Probe:
             data.update(swaps=plan["swap_count"], prediction=plan.get("prediction") or {},
                         gated=f"{verification.get('gated', 0)}/{verification.get('swap_ins', 0)}")
             detail += f", {plan['swap_count']} swap(s), swap-ins gated {data['gated']}"
+            rounds = plan.get("calibration") or []
+            if rounds:  # measured on the GPU before training (launcher.lms.calibrate)
+                data["calibration"] = rounds
+                detail += f", calibrated in {len(rounds)} round(s)"
         return Probe(size, True, summary["max_peak_memory_bytes"], seconds, detail=detail, data=data)
     oom = out_of_memory(output)
     if oom is not None and status != 0:

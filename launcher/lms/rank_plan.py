@@ -17,6 +17,7 @@ class RankPlan:
     host_available_bytes: int  # what the host had free when the rank planned, after building its model
     seconds: float  # how long planning, estimating and checking took on this rank
     pinned_memory_problem: str | None = None  # a GPU rank's plan that its pinned-memory cap cannot hold
+    calibration: tuple[dict, ...] = ()  # the rounds measured on the rank's GPU (launcher.lms.calibrate)
 
     def same_plan_as(self, other: "RankPlan") -> bool:
         """The same target, settings and swaps (ranks of one recipe on like hardware plan alike)."""
@@ -47,4 +48,4 @@ class RankPlan:
         """RUN_DIR/lms/plan-rank<N>.json."""
         return dict(self.report.to_dict(), rank=self.rank, host=self.host, device=self.device, log=list(self.log),
                     host_available_bytes=self.host_available_bytes, seconds=round(self.seconds, 2),
-                    pinned_memory_problem=self.pinned_memory_problem)
+                    pinned_memory_problem=self.pinned_memory_problem, calibration=list(self.calibration))

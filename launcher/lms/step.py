@@ -4,6 +4,8 @@ With `lms.enabled: false` the step is returned as it is. Otherwise each rank:
 1. works out what it plans for (launcher.lms.target: its link, device profile, device and host memory);
 2. plans (auto-tuned or manual) and applies the swaps; with `lms.measure_ops` on GPUs it profiles
    that step and plans again with the measured op times;
+   on a GPU, runs `lms.calibrate_steps` steps of the plan and, where the real peak does not fit,
+   plans again for a budget lowered by what the models missed (launcher.lms.calibrate);
 3. estimates peak memory with and without the swaps (Grappler's estimate);
 4. runs the rewritten step once and checks, on the partition graphs TensorFlow executed, that every
    swap-in waits for its trigger (`swap-ins gated: N/N`), weights restored afterwards;
@@ -38,16 +40,20 @@ class LMSSetupError(RuntimeError):
 
 
 def prepare_step(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContext, run_dir: Path,
-                 log: Callable[[str], None] | None, variables: list = ()) -> Callable:
-    """`variables` (weights and optimizer state) are restored after the steps `lms.measure_ops` profiles.
-    Every rank must call this (it gathers the plans); raises LMSSetupError before any training step."""
+                 log: Callable[[str], None] | None, variables: list = (), local_step: Callable | None = None) -> Callable:
+    """`variables` (weights and optimizer state) are restored after the steps `lms.measure_ops` profiles
+    and calibration measures. `local_step`: with several ranks, the same step traced for one rank
+    (no allreduce), which calibration measures. Every rank must call this (it gathers the plans);
+    raises LMSSetupError before any training step."""
     if not lms.enabled:
         return step
     started = time.perf_counter()
     on_gpu = ctx.device.startswith("GPU")
     target, lines = rank_target(lms, ctx.rank, ctx.local_rank, ctx.local_size, on_gpu)
-    rewritten, report = plan_and_check(step, specs, lms, ctx, target, lines, on_gpu, variables)
+    rewritten, report, calibration = plan_and_check(step, specs, lms, ctx, target, lines, on_gpu, variables,
+                                                    local_step)
     mine = RankPlan(rank=ctx.rank, host=ctx.host, device=ctx.device, report=report, log=tuple(lines),
+                    calibration=tuple(calibration.to_dicts()) if calibration else (),
                     host_available_bytes=_available_host_bytes(), seconds=time.perf_counter() - started,
                     # The pinned-memory cap is this rank's own environment: only it can check its plan against it.
                     pinned_memory_problem=pinned_limit_problem(report, ctx.rank, os.environ) if on_gpu else None)
@@ -64,26 +70,57 @@ def prepare_step(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContext,
 
 
 def plan_and_check(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContext, target, lines: list[str],
-                   on_gpu: bool, variables: list):
-    """(the rewritten step, its report with Grappler's estimate and the gating check)."""
+                   on_gpu: bool, variables: list, local_step: Callable | None = None):
+    """(the rewritten step, its report with Grappler's estimate, calibration rounds and the gating check)."""
     import lms_core.tf as lms_tf
 
     # describe_memory: the plan's device memory as TensorFlow's allocator holds it (the model of
     # lms_core.memory) goes into the rank's plan, next to which the run's measured peak is logged.
     # Planned again where Grappler's estimate, which the log says "fits" by, disagrees with the tuner.
-    rewrite = functools.partial(lms_tf.rewrite_within_estimate, step, *specs, config=lms,
-                                compute_device=f"/device:{ctx.device}", host_device=HOST_DEVICE, describe_memory=True)
-    rewritten, estimate = rewrite(target=target)
+    rewrite = functools.partial(lms_tf.rewrite_within_estimate, step, *specs, compute_device=f"/device:{ctx.device}",
+                                host_device=HOST_DEVICE, describe_memory=True)
+    rewritten, estimate = rewrite(target=target, config=lms)
     # Profiled steps run the step's collectives, so every rank profiles or none does.
     if lms.measure_ops and all_ranks(ctx, on_gpu):
         times = measure_op_times(rewritten, specs, ctx.device, list(variables), lms.profile_steps)
         lines.append(f"lms.measure_ops: {times.describe()}; re-planning with them")
-        rewritten, estimate = rewrite(target=dataclasses.replace(target, measured_op_seconds=times.seconds))
+        target = dataclasses.replace(target, measured_op_seconds=times.seconds)
+        rewritten, estimate = rewrite(target=target, config=lms)
     elif lms.measure_ops:
         lines.append("lms.measure_ops: not every rank computes on a GPU, and CPU op times say nothing about the "
                      "GPU planned for; kept the cost model")
+    calibration = None
+    if lms.calibrate_steps and on_gpu:
+        calibration = calibrate_on_device(rewritten, estimate, rewrite, lms, ctx.device, target, specs, variables,
+                                          local_step, lines)
+        rewritten, estimate = calibration.rewritten, calibration.estimate
+    # Not on a CPU rank: its two logical devices share one allocator, so its peak says nothing of the plan.
     report = rewritten.report.with_estimate(estimate)
-    return rewritten, report.with_verification(verify(rewritten, specs, ctx.device))
+    if calibration is not None and calibration.warning:
+        report = dataclasses.replace(report, warnings=report.warnings + (calibration.warning,))
+    return rewritten, report.with_verification(verify(rewritten, specs, ctx.device)), calibration
+
+
+def calibrate_on_device(rewritten, estimate, rewrite: Callable, lms: LMSConfig, device: str, target, specs: tuple,
+                        variables: list, local_step: Callable | None, lines: list[str]):
+    """launcher.lms.calibrate on this rank's device: each plan measured on the step itself (one rank)
+    or on `local_step`, the same step without its allreduce, with the same plan applied."""
+    import lms_core.tf as lms_tf
+    from launcher.lms.calibrate import calibrate
+    from launcher.rank.devices import allocator_limit_bytes
+    from lms_core.tf.op_profile import sample_inputs
+
+    batch = sample_inputs(specs, f"/device:{device}")
+
+    def run_plan(planned) -> Callable[[], object]:
+        measured = planned if local_step is None else lms_tf.rewrite_with_plan(
+            local_step, *specs, plan=planned.plan, compute_device=planned.compute_device,
+            host_device=planned.host_device)
+        return lambda: float(measured(*batch))
+
+    device_bytes = allocator_limit_bytes(target.device_memory_bytes)
+    return calibrate((rewritten, estimate), rewrite, lms, target, device, device_bytes, run_plan, list(variables),
+                     lines.append)
 
 
 def measure_op_times(rewritten, specs: tuple, device: str, variables: list, steps: int):

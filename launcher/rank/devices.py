@@ -66,3 +66,10 @@ def gpu_memory_limit_mb(environ: Mapping[str, str]) -> int | None:
         raise ValueError(f"{env.LMS_LAUNCH_GPU_MEMORY_LIMIT_MB}={text!r}: give a positive whole number of MiB "
                          f"(e.g. 16384 for a 16 GiB GPU), or unset it to use the whole GPU")
     return value
+
+
+def allocator_limit_bytes(planned_for_bytes: int) -> int:
+    """What a GPU rank's allocator may hold for a plan made for `planned_for_bytes` of device memory:
+    that, or less where LMS_LAUNCH_GPU_MEMORY_LIMIT_MB holds the GPU to less."""
+    limit_mb = gpu_memory_limit_mb(os.environ)
+    return planned_for_bytes if limit_mb is None else min(planned_for_bytes, limit_mb << 20)

@@ -1,7 +1,9 @@
 """Out of memory on a rank's device: say which settings would make the step fit, not only TensorFlow's trace.
 
 TensorFlow reports a failed allocation as `tf.errors.ResourceExhaustedError` ("OOM when allocating
-tensor with shape[...]"), after dumping its allocator's state. The worker turns that error, from
+tensor with shape[...]"), after dumping its allocator's state, and a convolution whose workspace fits
+nowhere as `NotFoundError` ("No algorithm worked!"; lms_core.tf.allocations.out_of_memory says which
+errors mean the device is full). The worker turns that error, from
 training or from the LMS set-up (which runs steps to check or profile the rewrite), into this short
 message naming the allocation, the rank, the device, and the LMS and batch settings to change, and
 ends the rank with `OUT_OF_MEMORY_STATUS`.

@@ -152,6 +152,37 @@ def failed_request_bytes(message: str) -> int | None:
     return count * _DTYPE_BYTES[match.group(2)]
 
 
+_NO_ALGORITHM = "No algorithm worked"
+_WORKSPACE_REFUSED = re.compile(r"Out of memory while trying to allocate (\d+) bytes")
+_NODE = re.compile(r"\[\[\{\{node ([^}]+)\}\}\]\]")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """One line saying how the device ran out of memory when `error` means it did, else None.
+
+    TensorFlow says so with `ResourceExhaustedError` ("OOM when allocating tensor ..."), and also
+    otherwise: where no workspace fits, cuDNN's algorithm search fails for every engine, each with
+    RESOURCE_EXHAUSTED, and TensorFlow raises `NotFoundError` ("No algorithm worked!"). On an H200
+    held to 16 GiB (2026-11-27, benchmarks/results/gpu-h200-shipped.txt) that is how ResNet-50's
+    conv4_block1_0_conv at batch 256 failed, asking for 604 MiB of workspace."""
+    import tensorflow as tf
+
+    message = getattr(error, "message", None) or str(error)
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        start = message.find("OOM when allocating")
+        text = message[start:] if start >= 0 else message.strip()
+        return text.splitlines()[0].strip() if text else "out of memory"
+    if isinstance(error, (tf.errors.NotFoundError, tf.errors.InternalError)) and _NO_ALGORITHM in message:
+        refused = [int(n) for n in _WORKSPACE_REFUSED.findall(message)]
+        if not refused:
+            return None
+        node = _NODE.search(message)
+        where = f" for {node.group(1)}" if node else ""
+        return (f"cuDNN found no convolution algorithm{where} whose workspace fits: out of memory while trying to "
+                f"allocate up to {max(refused)} bytes")
+    return None
+
+
 _RAN_OUT = re.compile(r"ran out of memory trying to allocate [^(]*\(rounded to (\d+)\)\s*requested by op (\S*)")
 _STAT = re.compile(r"^(InUse|NumAllocs|Limit):\s+(\d+)", re.MULTILINE)
 

@@ -9,8 +9,11 @@ The copies are made as the rewrite's swaps make them: inside a `tf.function`, by
 on the other device, so that TensorFlow's executor copies through its rendezvous (into pinned host
 memory, for a copy to the host). Eager copies would measure something else: TensorFlow keeps the
 device copy of an eager host tensor (a mirror) and hands it back on the next copy, so repeated eager
-copies to the GPU cost nothing. On the lent H100 (2026-11-27, benchmarks/results/gpu-link.txt) the
-eager version read H2D 583 GB/s from a PCIe gen5 x16 link.
+copies to the GPU cost nothing. On an H100 (2026-11-27, benchmarks/results/gpu-link.txt) the eager
+version read H2D 583 GB/s from a PCIe gen5 x16 link. Each copy is read back where it landed. The
+version of that day read the host copy with an eager slice, which TensorFlow places on the GPU when
+there is one: most likely the whole tensor went back to the GPU inside the D2H timing (it read
+11.8 GB/s) and left a mirror there that the H2D copy then returned at once (it read 1075 GB/s).
 """
 from __future__ import annotations
 
@@ -45,11 +48,13 @@ def measure_link(gpu: str = "/device:GPU:0", host: str = "/device:CPU:0", repeat
         for _ in range(repeats + 1):  # the first round traces the functions and warms the allocators up
             started = time.perf_counter()
             on_host = to_host(on_device)
-            float(on_host[0])  # a read of the copy: waits for it
+            with tf.device(host):  # read where it is: an eager slice placed on the GPU would copy it back first
+                float(on_host[0])  # a read of the copy: waits for it
             downs.append(time.perf_counter() - started)
             started = time.perf_counter()
             back = to_device(on_host)
-            float(back[0])  # a read of the copy: waits for it
+            with tf.device(gpu):
+                float(back[0])  # a read of the copy: waits for it
             ups.append(time.perf_counter() - started)
         h2d[size], d2h[size] = statistics.median(ups[1:]), statistics.median(downs[1:])
     (h2d_rate, h2d_latency), (d2h_rate, d2h_latency) = fit_copy_times(h2d), fit_copy_times(d2h)

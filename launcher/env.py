@@ -59,3 +59,9 @@ LMS_LAUNCH_GPU_MEMORY_LIMIT_MB = "LMS_LAUNCH_GPU_MEMORY_LIMIT_MB"
 # it: oneDNN's CPU kernels abort the process when an allocation fails (tensorflow/tensorflow#108621), so
 # an out-of-memory error would end the rank with a crash instead of TensorFlow's error and our advice.
 TF_ENABLE_ONEDNN_OPTS = "TF_ENABLE_ONEDNN_OPTS"
+
+# Read by a rank with LMS on (launcher/lms/calibrate.py), for tests on machines without a GPU only:
+# `RANK:EXTRA_BYTES[,RANK:EXTRA_BYTES...]` makes the listed CPU ranks calibrate, each reading its plans'
+# peak as the simulator's predicted peak plus EXTRA_BYTES (what a GPU would hold beyond the model)
+# instead of the CPU allocator's, which no plan moves. The steps themselves run as on a GPU.
+LMS_LAUNCH_TEST_CALIBRATION = "LMS_LAUNCH_TEST_CALIBRATION"

@@ -49,6 +49,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from lms_core.config import LMSConfig
+from lms_core.driver import Feedback, Proposal, best_of, better, plan_until_it_fits, replayed
 from lms_core.graph import BACKWARD, Graph, Op, tensor_name
 from lms_core.link import LinkRates
 from lms_core.plan import ControlEdge, Plan, Skip, Swap, SwapIn
@@ -59,7 +60,6 @@ from lms_core.pruning import drop_unneeded_swaps
 from lms_core.simulator import SimulationResult, SimulationStalled, simulate
 
 MAX_REPLANS = 6  # rounds of "the replay overshot: plan for less" before the best plan so far is kept
-PEAK_TIE = 0.001  # two plans over the budget whose peaks differ by less than this share of it peak alike
 MAX_PACING = 60  # replays per round that add waits for copies out behind at the peak (_paced)
 
 
@@ -191,48 +191,60 @@ def plan_access_order(graph: Graph, config: LMSConfig, costs: dict[str, float], 
 
 
 def _lower_or_cheaper(one: SimulationResult, other: SimulationResult, budget_bytes: int) -> bool:
-    """Of two plans over the budget, whether `one` is better: the lower peak, peaks within PEAK_TIE
-    of the budget counting alike (the same moment can differ by a few small tensors), then the
-    faster step, then the fewer bytes moved."""
-    if abs(one.peak_device_bytes - other.peak_device_bytes) > budget_bytes * PEAK_TIE:
-        return one.peak_device_bytes < other.peak_device_bytes
-    return (one.step_time_s, one.traffic_bytes) < (other.step_time_s, other.traffic_bytes)
+    """Of two replayed plans, whether `one` is the better (lms_core.driver.better: the lower peak,
+    peaks within its tie of the budget counting alike, then the faster step, then the fewer bytes)."""
+    a = replayed(None, one, one.peak_device_bytes <= budget_bytes, budget_bytes)
+    b = replayed(None, other, other.peak_device_bytes <= budget_bytes, budget_bytes)
+    return better(b, a, budget_bytes) is a
 
 
 def _rounds(graph: Graph, config: LMSConfig, schedule: Schedule, candidates: list[Candidate], skipped: list[Skip],
             link: LinkRates, control_edges: list[ControlEdge], costs: dict[str, float], budget_bytes: int
             ) -> tuple[Plan, SimulationResult, int]:
-    """Plans for `budget_bytes`, replays, and plans again where the replay overshoots (MAX_REPLANS
-    rounds at most): the best plan (plan_access_order's steps 3 to 5), its replay, and how many
-    rounds came before it."""
-    target, best, held, forced = budget_bytes, None, {}, set()
+    """Plans for `budget_bytes`, replays, and plans again where the replay overshoots (lms_core.driver's
+    loop with the replay judging, MAX_REPLANS more rounds at most): the best plan (plan_access_order's
+    steps 3 to 5), its replay, and how many rounds came before it."""
     by_tensor = {c.tensor: c for c in candidates}
+    held: dict[Hold, float] = {}  # copies back held past the replay's peak (kept across rounds)
+    forced: set[str] = set()  # tensors chosen whatever the unswapped schedule says
     paced: dict[str, set[str]] = {}  # tensor -> ops that wait for its copy out (found by replays, kept across rounds)
-    for round_ in range(MAX_REPLANS + 1):
+
+    def propose(target: int) -> Proposal:
         chosen, waits, holds, met = choose(schedule, candidates, link, target, held,
                                            [by_tensor[t] for t in sorted(forced)])
         plan, simulation = _paced(graph, config, schedule, chosen, waits, holds, link, skipped, control_edges,
                                   costs, budget_bytes, paced)
-        fits = simulation.peak_device_bytes <= budget_bytes
-        improved = best is None or _better(simulation, fits, best)
-        if improved:
-            best = (plan, simulation, fits, round_)
-        if fits or not chosen or (not met and not improved):
-            break  # done, or below what any choice of these tensors reaches (the floor) and no better
+        return Proposal((plan, simulation, {c.tensor for c in chosen}, met), target, target, simulation.step_time_s)
+
+    def next_target(rounds, limit_bytes: int) -> int | None:
+        last = rounds[-1]
+        plan, simulation, chosen, met = last.proposal.plan
+        improved = len(rounds) == 1 or better(best_of(rounds[:-1], limit_bytes), last, limit_bytes) is last
+        if last.fits or not chosen or (not met and not improved):
+            return None  # done, or below what any choice of these tensors reaches (the floor) and no better
         # The replay's times drift from the unswapped schedule's (waits, queued copies): a copy back
         # that arrives early there holds memory at the replay's peak. Hold those copies past that
         # moment and plan again; with none to hold, plan for a budget lowered by the overshoot.
         late, resident, moment = _at_replay_peak(schedule, plan, simulation)
-        unswapped_there = {t for t in resident if t in by_tensor and t not in {c.tensor for c in chosen}
-                           and moment is not None
+        unswapped_there = {t for t in resident if t in by_tensor and t not in chosen and moment is not None
                            and by_tensor[t].near_done_at <= moment < by_tensor[t].returns[-1].needed_at}
         if late or unswapped_there:
             held.update(late)
-            forced |= unswapped_there
-        else:
-            target -= max(simulation.peak_device_bytes - budget_bytes, budget_bytes // 200)
-    plan, simulation, _, replans = best
-    return plan, simulation, replans
+            forced.update(unswapped_there)
+            return last.proposal.budget_bytes
+        return last.proposal.budget_bytes - max(simulation.peak_device_bytes - budget_bytes, budget_bytes // 200)
+
+    outcome = plan_until_it_fits(propose, _replayed, budget_bytes, budget_bytes, MAX_REPLANS + 1, next_target)
+    kept = outcome.best
+    plan, simulation, _, _ = kept.proposal.plan
+    return plan, simulation, kept.number - 1
+
+
+def _replayed(proposal: Proposal) -> Feedback:
+    """The judge of an access-order plan: its replay on the simulator."""
+    simulation = proposal.plan[1]
+    return Feedback(simulation.peak_device_bytes, simulation.step_time_s, measured=False,
+                    traffic_bytes=simulation.traffic_bytes)
 
 
 def schedule_floor(schedule: Schedule, candidates: list[Candidate]) -> int:
@@ -354,16 +366,6 @@ def _at_replay_peak(schedule: Schedule, plan: Plan, simulation: SimulationResult
             if swap_in.name in live and min(schedule.start[c] for c in swap_in.consumers) > moment:
                 holds[(swap.tensor, k)] = schedule.after(moment)
     return holds, set(live), moment
-
-
-def _better(simulation: SimulationResult, fits: bool, best) -> bool:
-    """Fitting beats not fitting; among fitting plans the faster, among the others the lower peak."""
-    _, other, other_fits, _ = best
-    if fits != other_fits:
-        return fits
-    if fits:
-        return simulation.step_time_s < other.step_time_s
-    return simulation.peak_device_bytes < other.peak_device_bytes
 
 
 class Schedule:
@@ -596,25 +598,7 @@ def cover(schedule: Schedule, candidates: list[Candidate], link: LinkRates, budg
         hot = [0.0]  # time spent over the budget before each point
         for duration, above in zip(durations, over):
             hot.append(hot[-1] + (duration if above > 0 else 0.0))
-        queue = _BackQueue(chosen, layout, link)
-        best, best_key, best_hold = None, None, None
-        for candidate in left:
-            if not candidate.near_done_at <= moment < candidate.returns[-1].needed_at:
-                continue
-            starts = queue.starts_of(candidate)
-            # A copy back that would start before the moment for reads after it is held past it.
-            hold = next((k for k, (start, r) in enumerate(zip(starts, candidate.returns))
-                         if start <= moment < r.needed_at), None)
-            if hold is not None:
-                starts = starts[:hold] + (schedule.after(moment),) + starts[hold + 1:]
-            windows = Layout(candidate.near_done_at, starts).windows(candidate)
-            if not any(window.covers(moment) for window in windows):
-                continue
-            coverage = sum(hot[bisect_left(times, w.end)] - hot[bisect_left(times, w.start)] for w in windows)
-            # One that needs no hold first (its reads need not wait), then the most excess taken away.
-            key = (hold is None, coverage * min(candidate.nbytes, excess) / candidate.nbytes, candidate.nbytes)
-            if best_key is None or key > best_key:
-                best, best_key, best_hold = candidate, key, hold
+        best, best_hold = _best_cover(schedule, left, _BackQueue(chosen, layout, link), moment, hot, excess)
         early = None
         if best is None:
             # The queue brings a chosen tensor back before this moment for reads after it: hold that
@@ -640,6 +624,33 @@ def cover(schedule: Schedule, candidates: list[Candidate], link: LinkRates, budg
                     _apply(times, usage, old.windows(candidate), +candidate.nbytes)
                 _apply(times, usage, layout[candidate.tensor].windows(candidate), -candidate.nbytes)
     return chosen, holds, not stuck
+
+
+def _best_cover(schedule: Schedule, left: list[Candidate], queue: "_BackQueue", moment: float, hot: list[float],
+                excess: int) -> tuple[Candidate | None, int | None]:
+    """`cover`'s choice at `moment`: among the tensors not chosen yet that can be off the device then,
+    one that needs no hold first (its reads need not wait), then the one taking the most excess away
+    over the time spent over the budget (`hot`: that time before each point of the schedule); with
+    the return it must hold past the moment, if any."""
+    times = schedule.times
+    best, best_key, best_hold = None, None, None
+    for candidate in left:
+        if not candidate.near_done_at <= moment < candidate.returns[-1].needed_at:
+            continue
+        starts = queue.starts_of(candidate)
+        # A copy back that would start before the moment for reads after it is held past it.
+        hold = next((k for k, (start, r) in enumerate(zip(starts, candidate.returns))
+                     if start <= moment < r.needed_at), None)
+        if hold is not None:
+            starts = starts[:hold] + (schedule.after(moment),) + starts[hold + 1:]
+        windows = Layout(candidate.near_done_at, starts).windows(candidate)
+        if not any(window.covers(moment) for window in windows):
+            continue
+        coverage = sum(hot[bisect_left(times, w.end)] - hot[bisect_left(times, w.start)] for w in windows)
+        key = (hold is None, coverage * min(candidate.nbytes, excess) / candidate.nbytes, candidate.nbytes)
+        if best_key is None or key > best_key:
+            best, best_key, best_hold = candidate, key, hold
+    return best, best_hold
 
 
 class _BackQueue:

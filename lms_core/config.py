@@ -175,17 +175,26 @@ class LMSConfig:
     `a100`, `h100`, `h200`, or a custom one: `{tflops: 30, memory_gb_per_s: 1000, memory: 24GiB}`."""
 
     measure_ops: bool = False
-    """On a GPU, time every op with the TensorFlow profiler over `profile_steps` steps at start-up and
-    tune with those times instead of the cost model's (weights are restored afterwards)."""
+    """On a GPU, time every op with the TensorFlow profiler over `profile_steps` steps of the first
+    calibrated plan, and make the plans after it with those times instead of the cost model's (the
+    first plan too, once more, where it fitted). Needs `calibrate`."""
 
     profile_steps: int = 3
     """How many steps `measure_ops` profiles (after one unprofiled warm-up step). Must be >= 1."""
 
+    calibrate: bool = True
+    """On a GPU, measure each plan's real peak over its first steps before training and plan again
+    until it fits (lms_core/driver.py; docs/lms.md, "Calibration on the GPU"). In mode manual the
+    plan is only measured and the log says how far the models were off. CPU ranks never calibrate:
+    their two logical devices share one allocator, so no plan moves their peak."""
+
     calibrate_steps: int = 3
-    """On a GPU in mode auto, how many steps of each plan run before training to measure its real peak
-    (the first is not counted: it pays for tracing and cuDNN's algorithm search); where it does not
-    fit, the rank plans again for a budget lowered by what the models missed (lms_core/driver.py).
-    Weights are restored afterwards. 0 turns calibration off; CPU ranks never calibrate."""
+    """How many steps of each plan calibration runs (the first is not counted: it pays for tracing
+    and cuDNN's algorithm search). Weights and optimizer state are restored afterwards. Must be >= 1."""
+
+    calibration_cache: str | None = None
+    """Where calibrated budgets are kept between runs (default: $XDG_CACHE_HOME/lms-launch/calibration,
+    else ~/.cache/lms-launch/calibration); `none` keeps nothing."""
 
     calibrate_rounds: int = 4
     """The most plans calibration measures (each costs a plan and `calibrate_steps` steps). Must be >= 1."""
@@ -260,10 +269,14 @@ class LMSConfig:
         if isinstance(self.device, str) and self.device != "auto" and self.device not in PROFILES:
             raise SettingError("device", f"must be auto, one of {', '.join(PROFILES)}, or a custom profile "
                                          f"{{tflops, memory_gb_per_s, memory}}; got {self.device!r}")
-        if self.calibrate_steps < 0:
-            raise SettingError("calibrate_steps", f"must be >= 0 (0: no calibration), got {self.calibrate_steps}")
+        if self.calibrate_steps < 1:
+            raise SettingError("calibrate_steps", f"must be >= 1 (lms.calibrate=false turns calibration off), got "
+                                                  f"{self.calibrate_steps}")
         if self.calibrate_rounds < 1:
             raise SettingError("calibrate_rounds", f"must be >= 1, got {self.calibrate_rounds}")
+        if self.measure_ops and not self.calibrate:
+            raise SettingError("measure_ops", "op times are measured in calibration's steps: set lms.calibrate=true, "
+                                              "or lms.measure_ops=false")
         if self.profile_steps < 1:
             raise SettingError("profile_steps", f"must be >= 1, got {self.profile_steps}")
         self.device_memory_bytes = _bytes("device_memory", self.device_memory)

@@ -87,6 +87,20 @@ class Graph:
                 self._control_consumers.setdefault(source, []).append(op.name)
         self.order = self._topological_order()
 
+    def fingerprint(self) -> str:
+        """sha256 of what the step computes, in graph order: each op's name, type, inputs, control
+        inputs (as a set: TensorFlow's automatic control dependencies come in no fixed order from one
+        trace to the next) and output shapes and dtypes, not the analyses passes wrote. Equal
+        fingerprints: the same step."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for op in self.ops.values():
+            outputs = ";".join(f"{t.shape}{t.dtype}" for t in op.outputs)
+            digest.update(f"{op.name}|{op.type}|{','.join(op.inputs)}|{','.join(sorted(op.control_inputs))}|{outputs}\n"
+                          .encode())
+        return digest.hexdigest()
+
     def __len__(self) -> int:
         return len(self.ops)
 

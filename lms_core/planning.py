@@ -22,6 +22,7 @@ from lms_core.add_chains import plan_add_chains, with_add_chains
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.deferred_zeros import plan_deferred_zeros
+from lms_core.driver import Feedback, Proposal, best_of, overshoot_based, plan_until_it_fits, replayed
 from lms_core.fit import FitJudge, make_judge
 from lms_core.graph import Graph
 from lms_core.link import LinkRates
@@ -144,7 +145,8 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
                                             edges, unlimited))
 
     def planning_of(choices: list[_Option], describe: bool) -> Planning:
-        chosen = min(choices, key=lambda option: option.rank(device_budget))
+        chosen = best_of([replayed(option, option.simulation, option.fits, device_budget) for option in choices],
+                         device_budget).proposal.plan
         text = chosen.text
         if len(choices) > 1:
             other = next(option for option in choices if option is not chosen)
@@ -221,21 +223,34 @@ def _ordered_option(ordered: AccessOrderResult, judge: FitJudge, unlimited: Simu
 def _access_order_option(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, judge: FitJudge,
                          compute_device: str, data_inputs: frozenset[str], edges: list,
                          unlimited: SimulationResult) -> "_Option":
-    """The access-order plan, judged. The planner meets a budget of live bytes; where the allocator
-    needs more than the budget for its plan (fragmentation), it plans again for a budget lower by
-    that excess, at most BFC_REPLANS times."""
-    budget = judge.device_budget_bytes
-    for _ in range(BFC_REPLANS + 1):
+    """The access-order plan, judged. The planner meets a budget of live bytes; where the BFC judge
+    says the allocator needs more than the budget for its plan (fragmentation), it is planned again
+    for a budget lower by that excess (lms_core.driver's loop, the allocator model judging), at most
+    BFC_REPLANS times."""
+    def propose(budget: int) -> Proposal:
         ordered = plan_access_order(graph, config, costs, link, budget, compute_device, data_inputs, edges,
                                     unswapped=unlimited)
         option = _ordered_option(ordered, judge, unlimited, link)
-        sim = ordered.simulation
-        if option.fits or judge.kind != "bfc" or sim.peak_device_bytes > budget or sim.peak_host_bytes > \
-                judge.host_budget_bytes:
-            return option  # fits, or misses the budget by live bytes already: a lower one would not help
-        needed, _ = judge.device_needed(ordered.plan, ordered.simulation)
-        budget -= max(needed - judge.device_budget_bytes, MIB)
-    return option
+        return Proposal(option, budget, ordered.simulation.peak_device_bytes, ordered.simulation.step_time_s)
+
+    def allocator(proposal: Proposal) -> Feedback:
+        option: _Option = proposal.plan
+        sim = option.simulation
+        if sim.peak_host_bytes > judge.host_budget_bytes:
+            return Feedback(sim.peak_device_bytes, sim.step_time_s, out_of_memory="over the host budget", measured=False)
+        if option.fits or judge.kind != "bfc":
+            return Feedback(sim.peak_device_bytes, sim.step_time_s, measured=False)
+        needed, _ = judge.device_needed(option.plan, sim)
+        return Feedback(needed, sim.step_time_s, measured=False, traffic_bytes=sim.traffic_bytes)
+
+    def next_budget(rounds, limit_bytes: int) -> int | None:
+        if judge.kind != "bfc" or rounds[-1].feedback.out_of_memory:
+            return None  # it misses by live bytes or by the host: no lower device budget helps the allocator
+        return overshoot_based(MIB)(rounds, limit_bytes)
+
+    budget = judge.device_budget_bytes
+    outcome = plan_until_it_fits(propose, allocator, budget, budget, BFC_REPLANS + 1, next_budget)
+    return outcome.rounds[-1].proposal.plan
 
 
 def strategies(config: LMSConfig) -> set[str]:
@@ -265,14 +280,6 @@ class _Option:
         if self.access_order is not None and self.access_order.unrefined is not None:
             return _ordered_option(self.access_order.unrefined, judge, unlimited, link)
         return self
-
-    def rank(self, device_budget: int) -> tuple:
-        """Fitting beats not fitting; among fitting plans the faster. Among the others the lower
-        device peak, unless the two are within 1% of the budget of each other: then the faster."""
-        sim = self.simulation
-        if self.fits:
-            return (0, sim.step_time_s)
-        return (1, sim.peak_device_bytes // max(1, device_budget // 100), sim.step_time_s)
 
 
 def op_costs(graph: Graph, target: Target) -> tuple[dict[str, float], str]:

@@ -27,6 +27,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lms_core.config import LMSConfig
+from lms_core.driver import better as better_plan, replayed
 from lms_core.fit import FitJudge
 from lms_core.graph import Graph
 from lms_core.link import GB, LinkRates
@@ -131,24 +132,6 @@ def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_b
         plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges)
         return _Candidate(config, plan, simulate(graph, plan, costs, link), judge)
 
-    def better(a: _Candidate, b: _Candidate | None) -> bool:
-        """Fitting beats not fitting. Among fitting plans the faster step wins, then the lower peak.
-        Among plans that do not fit yet the lower device peak wins, then the one swapping more: the
-        knobs tuned next (ahead, groupby, sync) can only lower the peak of tensors that are swapped.
-        (Host memory is the plentiful one; it only constrains plans that fit the device.)"""
-        if b is None:
-            return True
-        if b.fits and a.simulation.step_time_s > b.simulation.step_time_s:
-            return False  # slower than a plan that fits: loses whether it fits or not, so it is not judged
-
-        def key(candidate: _Candidate):
-            result = candidate.simulation
-            if candidate.fits:
-                return (0, result.step_time_s, result.peak_device_bytes)
-            return (1, result.peak_device_bytes, -candidate.plan.swapped_bytes)
-
-        return key(a) < key(b)
-
     unlimited = simulate(graph, Plan(settings=base.settings()), costs, link)
     if judge.fits(Plan(settings=base.settings()), unlimited):
         none = dataclasses.replace(base, swapout_threshold=max(thresholds(graph)[0] * 2, 1))
@@ -169,7 +152,7 @@ def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_b
                 key = settings_of(trial)
                 if key not in seen:  # a later round re-scans a knob with the others moved, not twice
                     seen[key] = run(trial)
-                if better(seen[key], best):
+                if _keeps(seen[key], best, device_budget_bytes):
                     best = seen[key]
             config = best.config
         if settings_of(config) == settled:
@@ -181,6 +164,22 @@ def tune(graph: Graph, costs: dict[str, float], link: LinkRates, device_budget_b
     if not moved:
         return tuned
     return dataclasses.replace(_result(refined, unlimited, judge, count, link, moved), unrefined=tuned)
+
+
+def _keeps(a: "_Candidate", b: "_Candidate | None", device_budget: int) -> bool:
+    """Whether the search keeps `a` over `b`: lms_core.driver.better where either fits. Between two
+    that do not fit yet, the search's own order: the lower device peak, then the one swapping more,
+    since the knobs tuned next (ahead, groupby, sync) can only lower the peak of tensors that are
+    swapped. (Host memory is the plentiful one; it only constrains plans that fit.)"""
+    if b is None:
+        return True
+    if b.fits and a.simulation.step_time_s > b.simulation.step_time_s:
+        return False  # slower than a plan that fits: loses whether it fits or not, so it is not judged
+    if a.fits or b.fits:
+        mine, theirs = replayed(a, a.simulation, a.fits, device_budget), replayed(b, b.simulation, b.fits, device_budget)
+        return better_plan(theirs, mine, device_budget) is mine
+    return ((a.simulation.peak_device_bytes, -a.plan.swapped_bytes)
+            < (b.simulation.peak_device_bytes, -b.plan.swapped_bytes))
 
 
 def _refined(chosen: "_Candidate", graph: Graph, costs: dict[str, float], link: LinkRates,

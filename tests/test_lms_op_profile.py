@@ -88,15 +88,16 @@ def test_measured_times_replace_the_model_and_scale_what_was_not_measured():
     assert "1 op(s) measured, 3 from the roofline model scaled x3.00" in calibration.describe()
 
 
-def test_a_rank_replans_with_measured_op_times():
-    """What `prepare_step` does on GPU ranks with `lms.measure_ops: true`, run here on the CPU: plan
-    with the cost model, profile the swapping step, plan again with the measured times."""
+def test_a_plan_made_with_measured_op_times_says_so_and_simulates_with_them():
+    """What a GPU rank's calibration does with `lms.measure_ops: true` (launcher.lms.calibrate), run
+    here on the CPU: plan with the cost model, profile the swapping step, plan again with the
+    measured times."""
     import dataclasses
 
     import lms_core.tf as lms_tf
-    from launcher.lms.step import measure_op_times
     from lms_core.config import LMSConfig
     from lms_core.link import NAMED_LINKS
+    from lms_core.tf.op_profile import profile_step, sample_inputs
     from benchmarks.architectures import small_unet3d, training_step
 
     model, optimizer, step, specs, _ = training_step(small_unet3d)
@@ -105,7 +106,9 @@ def test_a_rank_replans_with_measured_op_times():
                            host_memory_bytes=1 << 30)
     first = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:CPU:0", target=target)
     assert first.report.planned_for.cost_model == "costs: roofline model of v100"
-    times = measure_op_times(first, specs, "CPU:0", list(model.variables) + list(optimizer.variables), steps=1)
+    batch = sample_inputs(specs, "/device:CPU:0")
+    times = profile_step(lambda: float(first(*batch)), first.planning.graph.order, steps=1,
+                         restore=list(model.variables) + list(optimizer.variables))
     again = lms_tf.rewrite(step, *specs, config=config, compute_device="/device:CPU:0",
                            target=dataclasses.replace(target, measured_op_seconds=times.seconds))
     assert again.report.planned_for.cost_model.startswith(f"costs: {len(times.seconds)} op(s) measured")

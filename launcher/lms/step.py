@@ -2,10 +2,9 @@
 
 With `lms.enabled: false` the step is returned as it is. Otherwise each rank:
 1. works out what it plans for (launcher.lms.target: its link, device profile, device and host memory);
-2. plans (auto-tuned or manual) and applies the swaps; with `lms.measure_ops` on GPUs it profiles
-   that step and plans again with the measured op times;
-   on a GPU, runs `lms.calibrate_steps` steps of the plan and, where the real peak does not fit,
-   plans again for a budget lowered by what the models missed (launcher.lms.calibrate);
+2. plans (auto-tuned or manual) and applies the swaps; on a GPU (lms.calibrate), runs `lms.calibrate_steps` steps
+   of the plan and, where the real peak does not fit, plans again for a budget lowered by what the
+   models missed, with the measured op times where `lms.measure_ops` asks (launcher.lms.calibrate);
 3. estimates peak memory with and without the swaps (Grappler's estimate);
 4. runs the rewritten step once and checks, on the partition graphs TensorFlow executed, that every
    swap-in waits for its trigger (`swap-ins gated: N/N`), weights restored afterwards;
@@ -73,66 +72,38 @@ def plan_and_check(step: Callable, specs: tuple, lms: LMSConfig, ctx: RankContex
                    on_gpu: bool, variables: list, local_step: Callable | None = None):
     """(the rewritten step, its report with Grappler's estimate, calibration rounds and the gating check)."""
     import lms_core.tf as lms_tf
+    from launcher.lms.calibrate import calibrate_rank
 
     # describe_memory: the plan's device memory as TensorFlow's allocator holds it (the model of
     # lms_core.memory) goes into the rank's plan, next to which the run's measured peak is logged.
     # Planned again where Grappler's estimate, which the log says "fits" by, disagrees with the tuner.
     rewrite = functools.partial(lms_tf.rewrite_within_estimate, step, *specs, compute_device=f"/device:{ctx.device}",
                                 host_device=HOST_DEVICE, describe_memory=True)
-    rewritten, estimate = rewrite(target=target, config=lms)
-    # Profiled steps run the step's collectives, so every rank profiles or none does.
-    if lms.measure_ops and all_ranks(ctx, on_gpu):
-        times = measure_op_times(rewritten, specs, ctx.device, list(variables), lms.profile_steps)
-        lines.append(f"lms.measure_ops: {times.describe()}; re-planning with them")
-        target = dataclasses.replace(target, measured_op_seconds=times.seconds)
+    # Every rank calibrates or none does: the ranks decide each round together. A CPU rank does not:
+    # its two logical devices share one allocator, so its peak says nothing of the plan.
+    here = lms.calibrate and calibrates_here(on_gpu, ctx.rank)
+    if not (here if ctx.size == 1 else all_ranks(ctx, here)):
+        if lms.measure_ops:
+            lines.append("lms.measure_ops: op times are measured in calibration's steps on a GPU (lms.calibrate); "
+                         "this rank computes on a CPU, so it kept the cost model")
         rewritten, estimate = rewrite(target=target, config=lms)
-    elif lms.measure_ops:
-        lines.append("lms.measure_ops: not every rank computes on a GPU, and CPU op times say nothing about the "
-                     "GPU planned for; kept the cost model")
-    calibration = None
-    if lms.calibrate_steps and on_gpu:
-        calibration = calibrate_on_device(rewritten, estimate, rewrite, lms, ctx.device, target, specs, variables,
-                                          local_step, lines)
-        rewritten, estimate = calibration.rewritten, calibration.estimate
-    # Not on a CPU rank: its two logical devices share one allocator, so its peak says nothing of the plan.
-    report = rewritten.report.with_estimate(estimate)
-    if calibration is not None and calibration.warning:
+        report = rewritten.report.with_estimate(estimate)
+        return rewritten, report.with_verification(verify(rewritten, specs, ctx.device)), None
+    calibration = calibrate_rank(step, specs, rewrite, lms, ctx, target, variables, local_step,
+                                 lambda planned: verify(planned, specs, ctx.device), lines)
+    rewritten = calibration.rewritten
+    report = rewritten.report.with_estimate(calibration.estimate)
+    if calibration.warning:
         report = dataclasses.replace(report, warnings=report.warnings + (calibration.warning,))
-    return rewritten, report.with_verification(verify(rewritten, specs, ctx.device)), calibration
+    checked = calibration.verification or verify(rewritten, specs, ctx.device)
+    return rewritten, report.with_verification(checked), calibration
 
 
-def calibrate_on_device(rewritten, estimate, rewrite: Callable, lms: LMSConfig, device: str, target, specs: tuple,
-                        variables: list, local_step: Callable | None, lines: list[str]):
-    """launcher.lms.calibrate on this rank's device: each plan measured on the step itself (one rank)
-    or on `local_step`, the same step without its allreduce, with the same plan applied."""
-    import lms_core.tf as lms_tf
-    from launcher.lms.calibrate import calibrate
-    from launcher.rank.devices import allocator_limit_bytes
-    from lms_core.tf.op_profile import sample_inputs
+def calibrates_here(on_gpu: bool, rank: int) -> bool:
+    """A GPU rank calibrates; a CPU rank only where a test names it (env.LMS_LAUNCH_TEST_CALIBRATION)."""
+    from launcher.lms.calibrate import injected_extra_bytes
 
-    batch = sample_inputs(specs, f"/device:{device}")
-
-    def run_plan(planned) -> Callable[[], object]:
-        measured = planned if local_step is None else lms_tf.rewrite_with_plan(
-            local_step, *specs, plan=planned.plan, compute_device=planned.compute_device,
-            host_device=planned.host_device)
-        return lambda: float(measured(*batch))
-
-    device_bytes = allocator_limit_bytes(target.device_memory_bytes)
-    return calibrate((rewritten, estimate), rewrite, lms, target, device, device_bytes, run_plan, list(variables),
-                     lines.append)
-
-
-def measure_op_times(rewritten, specs: tuple, device: str, variables: list, steps: int):
-    """Per-op times of the (already swapping) step on `device` (the rank's GPU when `prepare_step`
-    calls it), from the TensorFlow profiler. The rewritten step is profiled, not the original,
-    because the original may not fit: that is why LMS is on. Weights and optimizer state are
-    restored afterwards."""
-    from lms_core.tf.op_profile import profile_step, sample_inputs
-
-    batch = sample_inputs(specs, f"/device:{device}")
-    return profile_step(lambda: float(rewritten(*batch)), rewritten.planning.graph.order, steps=steps,
-                        restore=variables)
+    return on_gpu or injected_extra_bytes(os.environ, rank) is not None
 
 
 def verify(rewritten, specs: tuple, device: str) -> Verification:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from lms_core.add_chains import with_add_chains
 from lms_core.config import LMSConfig, SettingError
+from lms_core.driver import Feedback, Proposal, overshoot_based, plan_until_it_fits
 from lms_core.graph import Graph
 from lms_core.loops import unseen_bytes
 from lms_core.passes.pipeline import analyze as run_analyses
@@ -88,26 +89,24 @@ REPLANS = 3
 def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_device: str, host_device: str,
                             target: Target, describe_memory: bool = False) -> tuple[RewrittenStep, MemoryEstimate]:
     """`rewrite` for `target`, and Grappler's estimate of the result (`estimate_rewrite`), planned again
-    where the two models disagree. The tuner judges a plan by its simulator against device memory x
-    `lms.memory_ratio`; the estimate, which says "fits" in `plan`, the bench and a rank's log, counts
-    otherwise (its copies take no time; it adds the loop lists a plan keeps at its own peak). Where the
-    tuner's plan fits its budget and the estimate puts it over the device memory, the tuner plans
-    again for a budget lowered by that overshoot (and again, by the next overshoot, up to REPLANS
-    times), and the first plan that fits both (the estimate, and the simulator against the recipe's
-    budget) is kept. A re-plan whose estimate is no lower does not end the search: plans for nearby
-    budgets pick different tensors, and the next budget down may fit (the Seq2Seq recipe at batch
-    6976 without its AddN chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, a
-    plan refined on its replay (`lms.refine_on_replay`: copies moved into the link's idle time, and
-    for access-order swaps dropped) that the estimate puts over is tried as it was before that (the
-    planner keeps it: an estimate, not a plan), and the re-plans go on without. Each re-plan costs
-    a plan and an estimate; with none that fits both, the tuner's first plan (the unrefined one, if
-    it was tried) is returned. Without tuning (`lms.mode: manual`) this is `rewrite` and
-    `estimate_rewrite`."""
+    where the two models disagree: lms_core.driver's loop with Grappler's estimate as the judge. The
+    tuner judges a plan by its simulator against device memory x `lms.memory_ratio`; the estimate,
+    which says "fits" in `plan`, the bench and a rank's log, counts otherwise (its copies take no
+    time; it adds the loop lists a plan keeps at its own peak). Where the estimate puts the tuner's
+    plan over the device memory, the plan is made again for a budget lowered by that overshoot (and
+    again, by the next overshoot, up to REPLANS times), and the first that fits is kept. A re-plan
+    whose estimate is no lower does not end the search: plans for nearby budgets pick different
+    tensors, and the next budget down may fit (the Seq2Seq recipe at batch 6976 without its AddN
+    chain: 16.96 GiB, then 17.88, then 15.10, which fits). Before those, a plan refined on its replay
+    (`lms.refine_on_replay`: copies moved into the link's idle time, and for access-order swaps
+    dropped) that the estimate puts over is tried as it was before that (the planner keeps it: an
+    estimate, not a plan), and the re-plans go on without refining. With none that fits, the tuner's
+    first plan (the unrefined one, if it was tried) is returned. Without tuning (`lms.mode: manual`)
+    this is `rewrite` and `estimate_rewrite`."""
     check_device("compute_device", compute_device)
     check_device("host_device", host_device)
     traced = trace_step(step, *input_specs)
     device_memory = target.device_memory_bytes
-
     baseline: list[PeakEstimate] = []  # the unswapped step's estimate, made once for every try
 
     def estimated(planning: Planning) -> tuple[RewrittenStep, MemoryEstimate]:
@@ -116,48 +115,80 @@ def rewrite_within_estimate(step, *input_specs, config: LMSConfig, compute_devic
             baseline.append(estimate_peak(traced.concrete.graph.as_graph_def(), traced.concrete, device_memory))
         return rewritten, estimate_rewrite(rewritten, device_memory, baseline[0])
 
-    def planned(settings: LMSConfig) -> tuple[RewrittenStep, MemoryEstimate]:
-        return estimated(plan_graph(traced.graph, settings, compute_device, traced.data_inputs, target,
-                                    describe_memory))
-
-    budget = int(device_memory * config.memory_ratio)
-
-    def simulated_fits(rewritten: RewrittenStep) -> bool:  # the tuner's verdict against the recipe's budget
-        simulation = rewritten.planning.simulation
-        return simulation is None or simulation.peak_device_bytes <= budget
-
-    tries = [planned(config)]
+    first = estimated(plan_graph(traced.graph, config, compute_device, traced.data_inputs, target, describe_memory))
     if not tunes(config, target):
-        return tries[0]
-    ratio, notes = config.memory_ratio, []
-    if not tries[0][1].lms_fits and tries[0][0].planning.unrefined is not None:
-        # Grappler's copies take no time: it holds a copy moved into the link's idle time from its
-        # trigger on, so the plan as the replay left it may fit where the refined one does not. The
-        # planner kept it (the same as planning again with lms.refine_on_replay off).
-        notes.append(f"the estimate put the plan at {format_bytes(tries[0][1].lms_bytes)}: tried it without "
-                     f"refining it on the replay")
-        config = dataclasses.replace(config, refine_on_replay=False)
-        unrefined = tries[0][0].planning.unrefined
-        tries.append(estimated(with_memory(unrefined, config, compute_device, target) if describe_memory
-                               else unrefined))
-    without_moves = len(tries) - 1  # that try is not one of the REPLANS
-    if simulated_fits(tries[-1][0]):  # a plan over its own budget: a smaller budget cannot help it
-        while len(tries) <= REPLANS + without_moves and not tries[-1][1].lms_fits:
-            estimate = tries[-1][1]
-            ratio -= (estimate.lms_bytes - device_memory) / device_memory
-            if ratio <= 0:
-                break
-            notes.append(f"the estimate put the plan at {format_bytes(estimate.lms_bytes)}: re-planned for a "
-                         f"budget of {format_bytes(int(device_memory * ratio))}")
-            tries.append(planned(dataclasses.replace(config, memory_ratio=ratio)))
-    both = [t for t in tries if t[1].lms_fits and simulated_fits(t[0])]
-    rewritten, estimate = both[0] if both else tries[without_moves]
-    if notes:
-        kept = "kept that plan" if both else "none fits both the estimate and the simulated budget: kept the first plan"
-        note = f"{'; '.join(notes)}; {kept}"
-        report = rewritten.planning.report
-        report = dataclasses.replace(report, tuning=f"{report.tuning}; {note}" if report.tuning else note)
-        rewritten.planning = dataclasses.replace(rewritten.planning, report=report)
+        return first
+    proposals = _EstimateProposals(first, estimated, traced, config, compute_device, target, describe_memory)
+    outcome = plan_until_it_fits(proposals.propose, _estimate_judge, int(device_memory * config.memory_ratio),
+                                 device_memory, REPLANS + 1 + proposals.unrefined_round, proposals.next_budget)
+    kept = outcome.chosen or outcome.rounds[proposals.unrefined_round]
+    return _with_replan_notes(kept.proposal.plan, outcome, proposals.unrefined_round)
+
+
+class _EstimateProposals:
+    """The plans `rewrite_within_estimate`'s loop judges: the tuner's first; at the same budget, the
+    same plan as it was before it was refined on its replay (where it was, and the estimate put it
+    over); then plans for lower budgets, not refined."""
+
+    def __init__(self, first, estimated, traced: TracedStep, config: LMSConfig, compute_device: str, target: Target,
+                 describe_memory: bool):
+        self.first, self.estimated, self.traced, self.config = first, estimated, traced, config
+        self.compute_device, self.target, self.describe_memory = compute_device, target, describe_memory
+        self.unrefined = first[0].planning.unrefined if not first[1].lms_fits else None
+        self.unrefined_round = int(self.unrefined is not None)  # which round holds the tuner's own plan
+        self.calls = 0
+
+    def propose(self, budget: int) -> Proposal:
+        self.calls += 1
+        if self.calls == 1:
+            return _estimate_proposal(self.first, budget)
+        config = dataclasses.replace(self.config, refine_on_replay=False) if self.unrefined else self.config
+        if self.calls == 2 and self.unrefined is not None:
+            # Grappler's copies take no time: it holds a copy moved into the link's idle time from its
+            # trigger on, so the plan as the replay left it may fit where the refined one does not.
+            unrefined = self.unrefined
+            planning = (with_memory(unrefined, config, self.compute_device, self.target) if self.describe_memory
+                        else unrefined)
+            return _estimate_proposal(self.estimated(planning), budget)
+        ratio = budget / self.target.device_memory_bytes
+        planning = plan_graph(self.traced.graph, dataclasses.replace(config, memory_ratio=ratio), self.compute_device,
+                              self.traced.data_inputs, self.target, self.describe_memory)
+        return _estimate_proposal(self.estimated(planning), budget)
+
+    def next_budget(self, rounds, limit_bytes: int) -> int | None:
+        if len(rounds) == 1 and self.unrefined is not None:
+            return rounds[0].proposal.budget_bytes  # the same budget, the plan as it was before its refinement
+        return overshoot_based()(rounds, limit_bytes)
+
+
+def _estimate_proposal(pair: tuple[RewrittenStep, MemoryEstimate], budget: int) -> Proposal:
+    simulation = pair[0].planning.simulation
+    predicted = simulation.peak_device_bytes if simulation is not None else pair[1].lms_bytes
+    return Proposal(pair, budget, predicted)
+
+
+def _estimate_judge(proposal: Proposal) -> Feedback:
+    _, estimate = proposal.plan
+    return Feedback(estimate.lms_bytes, measured=False)
+
+
+def _with_replan_notes(kept: tuple[RewrittenStep, MemoryEstimate], outcome, unrefined_round: int):
+    """`kept` with the loop's rounds said in its report's tuning text."""
+    notes = []
+    for done in outcome.rounds[:-1]:
+        said = f"the estimate put the plan at {format_bytes(done.feedback.peak_bytes)}"
+        if unrefined_round and done.number == 1:
+            notes.append(f"{said}: tried it without refining it on the replay")
+        else:
+            notes.append(f"{said}: re-planned for a budget of {format_bytes(done.next_budget_bytes)}")
+    if not notes:
+        return kept
+    rewritten, estimate = kept
+    ending = "kept that plan" if outcome.chosen else "none fits both the estimate and the simulated budget: kept the first plan"
+    note = f"{'; '.join(notes)}; {ending}"
+    report = rewritten.planning.report
+    report = dataclasses.replace(report, tuning=f"{report.tuning}; {note}" if report.tuning else note)
+    rewritten.planning = dataclasses.replace(rewritten.planning, report=report)
     return rewritten, estimate
 
 

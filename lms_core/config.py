@@ -27,6 +27,7 @@ class SettingError(ValueError):
 
 STRATEGIES = ("auto", "distance", "access-order")
 FIT_JUDGES = ("auto", "bfc", "live")
+ACTIONS = ("swap", "recompute")
 
 SYNC_MODES = {
     0: "asynchronous: nothing waits for a copy except the consumer of a swap-in",
@@ -87,6 +88,13 @@ class LMSConfig:
     the device budget, each brought back as late as the link allows (lms_core/access_order.py; needs
     a target, so mode auto). `auto`: in mode auto both are planned and the faster plan that fits is
     kept, per rank; in mode manual, `distance`."""
+
+    actions: list[str] = field(default_factory=lambda: ["swap", "recompute"])
+    """What may be done with a tensor the backward pass reads late, besides keeping it: `swap` (park
+    it in host memory and bring it back) and `recompute` (free it after its forward readers and make
+    it again just before its first backward reader, from tensors live then: deterministic, stateless,
+    memory-bound ops only; lms_core/recompute.py). With both, each rank plans with and without
+    recompute (mode auto) and keeps the faster plan that fits. Recompute needs mode auto."""
 
     swapout_threshold: int = 8
     """Swap a forward tensor out only for backward consumers at least this many levels after its
@@ -261,6 +269,9 @@ class LMSConfig:
             raise SettingError("mode", f"must be auto or manual, got {self.mode!r}")
         if self.strategy not in STRATEGIES:
             raise SettingError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        unknown = [action for action in self.actions if action not in ACTIONS]
+        if not self.actions or unknown:
+            raise SettingError("actions", f"must list one or both of {', '.join(ACTIONS)}; got {self.actions!r}")
         if self.fit_judge not in FIT_JUDGES:
             raise SettingError("fit_judge", f"must be one of {', '.join(FIT_JUDGES)}, got {self.fit_judge!r}")
         self.link_rates = None if self.link == "auto" else _rates("link", self.link)

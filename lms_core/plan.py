@@ -72,6 +72,22 @@ class ReservedList:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """A forward tensor freed after its forward readers and made again in the backward pass for its
+    backward readers (lms_core.recompute): its segment's ops are cloned there, each clone waiting for
+    `trigger`, reading the segment's other clones and the anchors (tensors live then anyway)."""
+
+    tensor: str  # "op:index"
+    nbytes: int
+    ops: list[str]  # the ops cloned, in graph order; the tensor's producer is among them
+    clones: list[str]  # their clones' names, in the same order
+    anchors: list[str]  # the tensors the clones read from outside the segment
+    consumers: list[str]  # the backward ops rerouted to read the clone of `tensor`
+    trigger: str  # the backward op every clone waits for
+    seconds: float  # the clones' time by the cost model the plan was made with
+
+
+@dataclass(frozen=True)
 class ControlEdge:
     """`after` waits for `before` (lms_core.serialize: the backward branches run one at a time)."""
 
@@ -105,10 +121,16 @@ class Plan:
     reserved_lists: list[ReservedList] = field(default_factory=list)
     # lms.defer_gradient_zeros: gradient loops' zero initial values made just before their loop
     deferred_zeros: list[ControlEdge] = field(default_factory=list)
+    # lms.actions with recompute: forward tensors made again in the backward pass instead of kept or swapped
+    recomputes: list[Recompute] = field(default_factory=list)
 
     @property
     def swapped_bytes(self) -> int:
         return sum(s.nbytes for s in self.swaps)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(r.nbytes for r in self.recomputes)
 
     @property
     def swap_in_count(self) -> int:
@@ -129,6 +151,9 @@ class Plan:
         if self.reserved_lists:
             ordered += (f"; {len(self.reserved_lists)} gradient loop zero list(s) of "
                         f"{sum(r.nbytes for r in self.reserved_lists) / 2**20:.1f} MiB left unset until filled")
+        if self.recomputes:
+            ordered += (f"; {len(self.recomputes)} tensor(s) of {self.recomputed_bytes / 2**20:.1f} MiB recomputed in "
+                        f"the backward pass ({sum(len(r.ops) for r in self.recomputes)} op(s) cloned)")
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
                     f"see 'skipped' for the reasons){ordered}")

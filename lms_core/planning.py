@@ -28,6 +28,7 @@ from lms_core.graph import Graph
 from lms_core.link import LinkRates
 from lms_core.memory.bfc import MIB
 from lms_core.plan import Plan
+from lms_core.recompute import plan_recompute
 from lms_core.planner import plan_swaps
 from lms_core.reserved_lists import plan_reserved_lists, with_reserved_lists
 from lms_core.report import PlannedFor, PlanReport, Prediction
@@ -123,50 +124,126 @@ def _with_rewrites(planning: Planning, chains: list, reserved: list, deferred: l
 
 def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
                      target: Target, traced: Graph, edges: list, describe_memory: bool) -> Planning:
-    """The plan of the strategy (or, asked to choose, the better of both) for `target`, replayed.
-    Where the chosen plan was refined on its replay, the planning carries the choice among the plans
-    as they were before (`Planning.unrefined`: what `lms.refine_on_replay: false` plans)."""
+    """The plan of the strategy (or, asked to choose, the better of all) for `target`, replayed: the
+    swap strategies planned on the step as it is and, where `lms.actions` allows recompute, on the
+    step with the recomputes lms_core.recompute chooses. Where the chosen plan was refined on its
+    replay, the planning carries the choice among the plans as they were before
+    (`Planning.unrefined`: what `lms.refine_on_replay: false` plans)."""
     costs, cost_model = op_costs(graph, target)
     device_budget = int(target.device_memory_bytes * config.memory_ratio)
     host_budget = int(target.host_memory_bytes * config.host_memory_ratio)
     unlimited = simulate(graph, Plan(settings=config.settings()), costs, target.link, keep_events=True)
-    judge = make_judge(config, compute_device, graph, costs, target.link, device_budget, host_budget)
-    options = []
-    if strategies(config) & {"distance"}:
-        if tunes(config, target):
-            options.append(_tuned_option(tune(graph, costs, target.link, device_budget, host_budget, config,
-                                              compute_device, data_inputs, control_edges=edges, judge=judge)))
-        else:
-            plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
-            simulation = simulate(graph, plan, costs, target.link)
-            options.append(_judged_option(plan, simulation, None, judge, unlimited, target.link))
-    if strategies(config) & {"access-order"}:
-        options.append(_access_order_option(graph, config, costs, target.link, judge, compute_device, data_inputs,
-                                            edges, unlimited))
+    bases = _bases(graph, config, costs, unlimited, target, compute_device, device_budget, host_budget)
+    options = [option for base in bases
+               for option in _options(base, config, target, compute_device, data_inputs, edges)]
 
     def planning_of(choices: list[_Option], describe: bool) -> Planning:
         chosen = best_of([replayed(option, option.simulation, option.fits, device_budget) for option in choices],
                          device_budget).proposal.plan
         text = chosen.text
         if len(choices) > 1:
-            other = next(option for option in choices if option is not chosen)
-            text = (f"{chosen.text}; chosen over {other.plan.settings['strategy']}: step "
-                    f"{other.simulation.step_time_s * 1000:.0f} ms, "
-                    f"peak {format_bytes(other.simulation.peak_device_bytes)}")
-        report = PlanReport(chosen.plan, PlannedFor(target.link, target.device, cost_model),
+            other = best_of([replayed(o, o.simulation, o.fits, device_budget) for o in choices if o is not chosen],
+                            device_budget).proposal.plan
+            text = f"{chosen.text}; chosen over {other.label()}: step {other.simulation.step_time_s * 1000:.0f} ms, " \
+                   f"peak {format_bytes(other.simulation.peak_device_bytes)}"
+        plan = dataclasses.replace(chosen.plan, recomputes=list(chosen.base.recomputes))
+        report = PlanReport(plan, PlannedFor(target.link, target.device, cost_model),
                             prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings)
-        planning = Planning(graph, report, chosen.tuning, chosen.simulation, costs, traced, chosen.access_order)
-        return _with_memory(planning, judge) if describe else planning
+        base = chosen.base
+        planning = Planning(base.graph, report, chosen.tuning, chosen.simulation, base.costs, traced,
+                            chosen.access_order)
+        return _with_memory(planning, base.judge) if describe else planning
 
     bound_s, _ = lower_bound_s(Schedule(graph, unlimited), target.link, device_budget)
     planning = planning_of(options, describe_memory)
     if planning.refined:
         # Described only if used (with_memory): the allocator model replays the plan.
-        before = planning_of([option.unrefined(judge, unlimited, target.link) for option in options], describe=False)
+        before = planning_of([option.unrefined() for option in options], describe=False)
         plan = dataclasses.replace(before.plan, settings={**before.plan.settings, "refine_on_replay": False})
         planning = dataclasses.replace(planning, unrefined=dataclasses.replace(
             before, report=dataclasses.replace(before.report, plan=plan)))
     return planning
+
+
+@dataclass(frozen=True)
+class _Base:
+    """The step a set of options is planned on: as traced, or with recomputes applied (their clones
+    in the graph and its costs), with the judge of plans on it and its replay without swaps."""
+
+    graph: Graph
+    costs: dict[str, float]
+    judge: FitJudge
+    unswapped: SimulationResult
+    link: LinkRates
+    recomputes: tuple = ()
+    swaps_allowed: bool = True
+
+
+#: Shares of the unswapped step's excess over the budget that recompute is asked to cover, one base each;
+#: the swaps take the rest. Swaps the link hides cost nothing, recomputes always cost their time: on
+#: ResNet-50 at batch 256, v100 and pcie3 (simulated, 2026-11-27) recompute covering all of it ran
+#: +6%, half +1%, a quarter +1%, swapping alone +10%.
+RECOMPUTE_SHARES = (1.0, 0.5, 0.25)
+
+
+def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: SimulationResult, target: Target,
+           compute_device: str, device_budget: int, host_budget: int) -> list[_Base]:
+    """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
+    chooses for each of RECOMPUTE_SHARES of the excess (where recompute is allowed; the whole
+    excess only, where swapping is not)."""
+    def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
+        return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
+
+    swaps = "swap" in config.actions
+    bases = [_Base(graph, costs, judge_on(graph, costs), unlimited, target.link)] if swaps else []
+    if "recompute" not in config.actions or not tunes(config, target):
+        return bases
+    excess, seen = max(0, unlimited.peak_device_bytes - device_budget), set()
+    for share in RECOMPUTE_SHARES if swaps else (1.0,):
+        chosen = plan_recompute(graph, config.settings(), costs, target.link, device_budget + int((1 - share) * excess),
+                                config.min_tensor_bytes)
+        tensors = frozenset(entry.tensor for entry in chosen.recomputes)
+        if tensors in seen or (swaps and not tensors):
+            continue
+        seen.add(tensors)
+        replay = simulate(chosen.graph, Plan(settings=config.settings()), chosen.costs, target.link, keep_events=True)
+        bases.append(_Base(chosen.graph, chosen.costs, judge_on(chosen.graph, chosen.costs), replay, target.link,
+                           tuple(chosen.recomputes), swaps))
+    return bases
+
+
+def _options(base: _Base, config: LMSConfig, target: Target, compute_device: str, data_inputs: frozenset[str],
+             edges: list) -> list["_Option"]:
+    """The options planned on `base`: each swap strategy `lms.strategy` asks for, or with swapping not
+    allowed, the recomputes alone."""
+    graph, costs, judge, link = base.graph, base.costs, base.judge, base.link
+    if not base.swaps_allowed:
+        plan = Plan(settings=config.settings(), control_edges=list(edges), ops=len(graph))
+        return [_judged_option(plan, base.unswapped, _recompute_text(base), judge, base.unswapped, link, base=base)]
+    options = []
+    wanted = strategies(config)
+    if base.recomputes and "access-order" in wanted:
+        wanted = {"access-order"}  # the tuner's search per base costs seconds; access-order plans a base in one
+    if wanted & {"distance"}:
+        if tunes(config, target):
+            tuning = tune(graph, costs, link, judge.device_budget_bytes, judge.host_budget_bytes, config,
+                          compute_device, data_inputs, control_edges=edges, judge=judge)
+            options.append(_tuned_option(tuning, base))
+        else:
+            plan = plan_swaps(graph, config, compute_device, data_inputs, control_edges=edges)
+            options.append(_judged_option(plan, simulate(graph, plan, costs, link), None, judge, base.unswapped, link,
+                                          base=base))
+    if wanted & {"access-order"}:
+        options.append(_access_order_option(base, config, compute_device, data_inputs, edges))
+    return options
+
+
+def _recompute_text(base: _Base) -> str:
+    """What the recomputes of `base` are, for the plan's tuning line."""
+    seconds = sum(entry.seconds for entry in base.recomputes)
+    return (f"recompute: {len(base.recomputes)} tensor(s) of "
+            f"{format_bytes(sum(entry.nbytes for entry in base.recomputes))} made again in the backward pass "
+            f"({sum(len(entry.ops) for entry in base.recomputes)} op(s) cloned, {seconds * 1000:.0f} ms by the cost model)")
 
 
 def with_memory(planning: Planning, config: LMSConfig, compute_device: str, target: Target) -> Planning:
@@ -205,32 +282,36 @@ def _judged_option(plan: Plan, simulation: SimulationResult, text: str | None, j
     return _Option(plan, simulation, text, tuple(warnings), fits, **made_by)
 
 
-def _tuned_option(tuning: TuningResult) -> "_Option":
+def _tuned_option(tuning: TuningResult, base: "_Base") -> "_Option":
     """The tuner's plan, judged by the tuner."""
-    return _Option(tuning.plan, tuning.simulation, tuning.describe(), tuple(tuning.warnings), tuning.fits,
+    text = tuning.describe() if not base.recomputes else f"{_recompute_text(base)}; then {tuning.describe()}"
+    return _Option(tuning.plan, tuning.simulation, text, tuple(tuning.warnings), tuning.fits, base=base,
                    tuning=tuning)
 
 
-def _ordered_option(ordered: AccessOrderResult, judge: FitJudge, unlimited: SimulationResult,
-                    link: LinkRates) -> "_Option":
+def _ordered_option(ordered: AccessOrderResult, base: "_Base") -> "_Option":
     """An access-order plan, judged."""
-    budget = ordered.budget_bytes
+    judge, budget = base.judge, ordered.budget_bytes
     text = ordered.describe() + (f"; planned for {format_bytes(budget)} of live bytes so that the BFC "
                                  f"requirement fits" if budget < judge.device_budget_bytes else "")
-    return _judged_option(ordered.plan, ordered.simulation, text, judge, unlimited, link, access_order=ordered)
+    if base.recomputes:
+        text = f"{_recompute_text(base)}; then {text}"
+    return _judged_option(ordered.plan, ordered.simulation, text, judge, base.unswapped, base.link, base=base,
+                          access_order=ordered)
 
 
-def _access_order_option(graph: Graph, config: LMSConfig, costs: dict[str, float], link: LinkRates, judge: FitJudge,
-                         compute_device: str, data_inputs: frozenset[str], edges: list,
-                         unlimited: SimulationResult) -> "_Option":
+def _access_order_option(base: "_Base", config: LMSConfig, compute_device: str, data_inputs: frozenset[str],
+                         edges: list) -> "_Option":
     """The access-order plan, judged. The planner meets a budget of live bytes; where the BFC judge
     says the allocator needs more than the budget for its plan (fragmentation), it is planned again
     for a budget lower by that excess (lms_core.driver's loop, the allocator model judging), at most
     BFC_REPLANS times."""
+    judge = base.judge
+
     def propose(budget: int) -> Proposal:
-        ordered = plan_access_order(graph, config, costs, link, budget, compute_device, data_inputs, edges,
-                                    unswapped=unlimited)
-        option = _ordered_option(ordered, judge, unlimited, link)
+        ordered = plan_access_order(base.graph, config, base.costs, base.link, budget, compute_device, data_inputs,
+                                    edges, unswapped=base.unswapped)
+        option = _ordered_option(ordered, base)
         return Proposal(option, budget, ordered.simulation.peak_device_bytes, ordered.simulation.step_time_s)
 
     def allocator(proposal: Proposal) -> Feedback:
@@ -263,22 +344,28 @@ def strategies(config: LMSConfig) -> set[str]:
 
 @dataclass(frozen=True)
 class _Option:
-    """One strategy's plan and its replay."""
+    """One strategy's plan on one base (the step as traced, or with recomputes), and its replay."""
 
     plan: Plan
     simulation: SimulationResult
     text: str | None
     warnings: tuple[str, ...]
     fits: bool  # by the judge (lms_core.fit)
+    base: _Base
     tuning: TuningResult | None = None
     access_order: AccessOrderResult | None = None
 
-    def unrefined(self, judge: FitJudge, unlimited: SimulationResult, link: LinkRates) -> "_Option":
+    def label(self) -> str:
+        """The strategy, as the plan's tuning line names the options it was chosen over."""
+        strategy = self.plan.settings.get("strategy", "distance") if self.base.swaps_allowed else "no swaps"
+        return f"{strategy} with recompute" if self.base.recomputes else strategy
+
+    def unrefined(self) -> "_Option":
         """This option as it was before it was refined on its replay (itself if it was not)."""
         if self.tuning is not None and self.tuning.unrefined is not None:
-            return _tuned_option(self.tuning.unrefined)
+            return _tuned_option(self.tuning.unrefined, self.base)
         if self.access_order is not None and self.access_order.unrefined is not None:
-            return _ordered_option(self.access_order.unrefined, judge, unlimited, link)
+            return _ordered_option(self.access_order.unrefined, self.base)
         return self
 
 

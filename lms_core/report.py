@@ -159,11 +159,15 @@ class Verification:
     zeros_deferred: int = 0  # the plan's deferred gradient-loop zeros that wait for their trigger
     zeros_checked: int = 0
     zeros_early: tuple[str, ...] = ()
+    clones_gated: int = 0  # the recomputes' clones that were executed after their trigger
+    clones: int = 0
+    clones_early: tuple[str, ...] = ()  # those that were not, and why
     traced_at: tuple[list[int], int] | None = None  # (input shape, batch) of the twin it ran on, if not the step
 
     @property
     def all_gated(self) -> bool:
-        return not self.ungated
+        """Every swap-in waits for its trigger, and so does every recompute's clone."""
+        return not self.ungated and not self.clones_early
 
     def describe(self) -> str:
         """The "swap-ins gated: N/M" line every command prints."""
@@ -178,10 +182,15 @@ class Verification:
             text += f"; gradient loop zeros made just before their loop: {self.zeros_deferred}/{self.zeros_checked}"
         if self.lists_checked:
             text += f"; zero lists left unset until filled: {self.lists_unset}/{self.lists_checked}"
+        if self.clones:
+            text += f"; recomputed ops after their trigger: {self.clones_gated}/{self.clones}"
         return text
 
     def first_failure(self) -> str:
-        """The first swap-in that is not gated, and why (for error messages)."""
+        """The first swap-in that is not gated, and why, else the first recompute clone that is not
+        (for error messages)."""
+        if not self.ungated:
+            return self.clones_early[0]
         first = self.ungated[0]
         return f"{first}: {self.reasons[first]}"
 
@@ -194,6 +203,8 @@ class Verification:
                                      "changed": list(self.lists_changed)},
                 "deferred_zeros": {"deferred": self.zeros_deferred, "checked": self.zeros_checked,
                                    "early": list(self.zeros_early)},
+                "recompute_clones": {"gated": self.clones_gated, "clones": self.clones,
+                                     "early": list(self.clones_early)},
                 "devices": {"compute": self.compute_device, "host": self.host_device},
                 "checked_on": "the partition graphs of one executed step"}
         if self.traced_at is not None:

@@ -127,7 +127,7 @@ def make_plan(recipe: Recipe, correction=None):
         target=target, describe_memory=True)
     say(f"{rewritten.plan.summary()}; peak memory estimated with Grappler")
     report = rewritten.report.with_estimate(estimate)
-    if rewritten.plan.swaps or rewritten.plan.control_edges:
+    if rewritten.plan.swaps or rewritten.plan.control_edges or rewritten.plan.recomputes:
         say("checking that every swap-in waits for its trigger in what TensorFlow executes (the same step at its "
             "smallest input, on split CPU devices)")
         report = report.with_verification(verify_on_twin(recipe, rewritten.plan))
@@ -190,8 +190,9 @@ def plot(recipe: Recipe, planned, report, target, path: Path) -> None:
     from lms_core.simulator import simulate
 
     memory = target.device_memory_bytes
-    unswapped = simulate(planned.graph, Plan(settings=report.plan.settings), planned.costs, target.link,
-                         keep_timeline=True)
+    # Without LMS: the step as traced (the planned graph may hold a recompute's clones).
+    unswapped = simulate(planned.traced or planned.graph, Plan(settings=report.plan.settings), planned.costs,
+                         target.link, keep_timeline=True)
     swapped = simulate(planned.graph, report.plan, planned.costs, target.link, keep_timeline=True)
     plot_step(path, unswapped, swapped, memory, int(memory * recipe.lms.memory_ratio),
               f"{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size} on "

@@ -113,7 +113,7 @@ def verify(rewritten, specs: tuple, device: str) -> Verification:
     from lms_core.tf.gating import GatingReport, verify_gating
     from lms_core.tf.op_profile import sample_inputs
 
-    if not rewritten.plan.swaps and not rewritten.plan.control_edges:
+    if not rewritten.plan.swaps and not rewritten.plan.control_edges and not rewritten.plan.recomputes:
         return GatingReport(rewritten.compute_device, rewritten.host_device).verification()
     return verify_gating(rewritten, *sample_inputs(specs, f"/device:{device}")).verification()
 

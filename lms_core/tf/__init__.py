@@ -27,6 +27,7 @@ from lms_core.plan import Plan
 from lms_core.report import MemoryEstimate, PlanReport
 from lms_core.planner import device_kind
 from lms_core.planning import Planning, Target, plan_graph, tunes, with_memory
+from lms_core.recompute import with_recomputes
 from lms_core.reserved_lists import with_reserved_lists
 from lms_core.units import format_bytes
 from lms_core.tf.apply import Placement, apply_plan, host_ops
@@ -201,6 +202,11 @@ def rewrite_with_plan(step, *input_specs, plan: Plan, compute_device: str, host_
     traced = trace_step(step, *input_specs)
     graph = with_add_chains(traced.graph, [c for c in plan.add_chains if c.op in traced.graph.ops])
     graph = with_reserved_lists(graph, plan.reserved_lists)
+    recomputed = [name for entry in plan.recomputes for name in (*entry.ops, entry.trigger, *entry.consumers)]
+    missing = next((name for name in recomputed if name not in graph.ops), None)
+    if missing is not None:
+        raise ValueError(f"the plan refers to op {missing!r}, which this trace of the step does not have")
+    graph = with_recomputes(graph, plan.recomputes)
     rewritten_ops = [chain.op for chain in plan.add_chains] + [entry.op for entry in plan.reserved_lists]
     ordered_ops = [name for edge in [*plan.control_edges, *plan.deferred_zeros] for name in (edge.before, edge.after)]
     referenced = rewritten_ops + ordered_ops + [name for swap in plan.swaps

@@ -1,7 +1,7 @@
 """Apply a Plan to a GraphDef: add swap-out and swap-in ops, reroute the far consumers, and add the
 control edges that order the backward branches (`Plan.control_edges`); first the rewrites that
 change how the step computes (AddN chains, lms_core.tf.add_chains; unset zero lists,
-lms_core.tf.reserved_lists).
+lms_core.tf.reserved_lists; the recomputes' clones, lms_core.tf.recompute).
 
 Where the ops sit decides whether anything is saved. With the compute device different from the
 host, TensorFlow partitions the step per device and turns every cross-device edge into a
@@ -47,6 +47,7 @@ from tensorflow.core.framework import graph_pb2, node_def_pb2
 from lms_core.plan import Plan
 from lms_core.tf.add_chains import apply_add_chains
 from lms_core.tf.graphdef import KEEP_ATTR, graphdef_ref
+from lms_core.tf.recompute import apply_recomputes
 from lms_core.tf.reserved_lists import apply_reserved_lists
 
 
@@ -64,6 +65,8 @@ def apply_plan(graph_def: graph_pb2.GraphDef, plan: Plan, compute_device: str, h
     # First the AddN chains (lms_core.add_chains): the plan's swaps and edges may name their adds.
     apply_add_chains(nodes, result, plan.add_chains)
     apply_reserved_lists(nodes, result, plan.reserved_lists)
+    # Then the recomputes' clones (lms_core.recompute): the swaps were planned on the step with them.
+    apply_recomputes(nodes, result, plan.recomputes)
     swap_in_device = host_device if placement is Placement.GATED_ON_HOST else compute_device
     # The backward branches' order (lms_core.serialize) and the gradient loops' zeros made just
     # before their loop (lms_core.deferred_zeros).

@@ -13,8 +13,9 @@ its device pair, reads the partition graphs TensorFlow reports for that run, and
 swap-in. `check_partitions` is the check alone, on given partition graphs. It also checks that the
 executed graph honours the plan's control edges (the backward branches' order, lms_core.serialize):
 each edge's later op must have the earlier one among its ancestors, and each gradient loop's zero
-the plan defers (lms_core.deferred_zeros) its trigger; and that each zero list the plan leaves unset
-(lms_core.reserved_lists) ran as a `TensorListReserve`.
+the plan defers (lms_core.deferred_zeros) its trigger; that each zero list the plan leaves unset
+(lms_core.reserved_lists) ran as a `TensorListReserve`; and that every op a recompute clones into
+the backward pass (lms_core.recompute) was executed, under its name, after its trigger.
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ class GatingReport:
     zeros_deferred: int = 0  # the plan's deferred zeros (lms_core.deferred_zeros) that wait for their trigger
     zeros_checked: int = 0  # those whose two ops TensorFlow executed under their own names
     zeros_early: list[str] = field(default_factory=list)
+    clones_gated: int = 0  # the recomputes' clones (lms_core.recompute) that wait for their trigger
+    clones: int = 0  # every clone of the plan
+    clones_early: list[str] = field(default_factory=list)  # those that do not, or were not executed, and why
 
     @property
     def gated(self) -> int:
@@ -70,7 +74,7 @@ class GatingReport:
 
     @property
     def all_gated(self) -> bool:
-        return not self.ungated
+        return not self.ungated and not self.clones_early
 
     def verification(self, traced_at: tuple[list[int], int] | None = None) -> Verification:
         """The report's verdict (lms_core.report); `traced_at` (input shape, batch) when the check
@@ -81,6 +85,7 @@ class GatingReport:
             edges_checked=self.edges_checked, edges_broken=tuple(self.edges_broken),
             lists_unset=self.lists_unset, lists_checked=self.lists_checked, lists_changed=tuple(self.lists_changed),
             zeros_deferred=self.zeros_deferred, zeros_checked=self.zeros_checked, zeros_early=tuple(self.zeros_early),
+            clones_gated=self.clones_gated, clones=self.clones, clones_early=tuple(self.clones_early),
             compute_device=self.compute_device, host_device=self.host_device, traced_at=traced_at)
 
 
@@ -123,6 +128,7 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
             report.gates.append(graph.gate(swap_in, compute_device, scope))
     report.edges_kept, report.edges_checked, report.edges_broken = graph.honoured(plan.control_edges, scope)
     report.zeros_deferred, report.zeros_checked, report.zeros_early = graph.honoured(plan.deferred_zeros, scope)
+    report.clones_gated, report.clones, report.clones_early = graph.clones_gated(plan.recomputes, scope)
     for entry in plan.reserved_lists:
         node = graph.nodes.get(f"{scope}/{entry.op}")
         if node is not None:
@@ -204,6 +210,26 @@ class PartitionedGraph:
                 else:
                     broken.append(f"{edge.after} does not wait for {edge.before}")
         return kept, checked, broken
+
+    def clones_gated(self, recomputes, scope: str) -> tuple[int, int, list[str]]:
+        """Of the recomputes' clones: how many were executed after their trigger (it is among their
+        ancestors), how many there are, and why each other one is not. A clone Grappler folded away
+        or renamed fails the check: then nothing proves it runs in the backward pass."""
+        gated, count, early = 0, 0, []
+        for entry in recomputes:
+            trigger = f"{scope}/{entry.trigger}"
+            for clone in entry.clones:
+                count += 1
+                name = f"{scope}/{clone}"
+                if name not in self.nodes:
+                    early.append(f"{clone} is not among the executed ops")
+                elif trigger not in self.nodes:
+                    early.append(f"{clone}: its trigger {entry.trigger} is not among the executed ops")
+                elif not self.depends_on(name, trigger):
+                    early.append(f"{clone} does not wait for {entry.trigger}: it can run in the forward pass")
+                else:
+                    gated += 1
+        return gated, count, early
 
     def readers_of(self, name: str) -> list:
         """The ops whose data inputs include `name`'s outputs (in its own partition)."""

@@ -1,0 +1,97 @@
+"""Keep, swap or recompute (issue 33): each case planned with swaps alone and with recompute allowed.
+
+    .venv/bin/python benchmarks/recompute.py [--cases b1024-pcie5,b256-pcie3] [--out FILE]
+
+Each case is one rank's plan for a 16 GiB device, made as a rank makes it (`lms_core.tf.
+rewrite_within_estimate`: the strategies, the recompute bases, Grappler's estimate); printed with
+the simulator's step against the unswapped one and Grappler's peak, which judges "fits" in the bench.
+These are models' figures, on this machine's CPU; no GPU runs here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+GIB = 1 << 30
+
+# name: (recipe, batch, device profile, link)
+CASES = {
+    "b1024-pcie5": ("resnet50", 1024, "h100", "pcie5"),
+    "b256-pcie3": ("resnet50", 256, "v100", "pcie3"),
+    "b256-pcie5": ("resnet50", 256, "h100", "pcie5"),
+}
+ACTIONS = (["swap"], ["swap", "recompute"])
+
+
+def plan_case(recipe_name: str, batch: int, device: str, link: str, actions: list[str]):
+    """(the rewritten step, Grappler's estimate, seconds) for one case and set of actions."""
+    import dataclasses
+
+    import lms_core.tf as lms_tf
+    from launcher.rank.training import build_training
+    from launcher.recipe import load_recipe
+    from lms_core.costs import PROFILES
+    from lms_core.link import link_named
+    from lms_core.planning import Target
+
+    recipe = load_recipe(ROOT / "recipes" / f"{recipe_name}.yaml", [f"train.batch_size={batch}"])
+    lms = dataclasses.replace(recipe.lms, enabled=True, mode="auto", actions=actions)
+    setup = build_training(recipe, ranks=1, device="CPU:0")
+    target = Target(link_named(link), PROFILES[device], 16 * GIB, 512 * GIB)
+    started = time.perf_counter()
+    rewritten, estimate = lms_tf.rewrite_within_estimate(setup.step, *setup.specs, config=lms,
+                                                         compute_device="/device:GPU:0", host_device="/device:CPU:0",
+                                                         target=target)
+    return rewritten, estimate, time.perf_counter() - started
+
+
+def row(case: str, actions: list[str], rewritten, estimate, seconds: float) -> str:
+    prediction, plan = rewritten.report.prediction, rewritten.plan
+    overhead = prediction.step_time_s / prediction.unlimited_step_time_s - 1
+    fits = "fits" if estimate.lms_fits else "does NOT fit"
+    return (f"{case:<12} {'+'.join(actions):<15} step {prediction.step_time_s * 1000:7.0f} ms ({overhead:+5.0%}) "
+            f"simulated peak {prediction.peak_device_bytes / GIB:6.2f} GiB  Grappler {estimate.lms_bytes / GIB:6.2f} GiB "
+            f"({fits} 16 GiB)  swapped {plan.swapped_bytes / GIB:6.2f} GiB  recomputed {plan.recomputed_bytes / GIB:6.2f} "
+            f"GiB ({len(plan.recomputes)} tensors)  planned in {seconds:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--out", help="also write the lines to this file")
+    args = parser.parse_args()
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"--cases: no case {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    out = open(args.out, "w") if args.out else None
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    say(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    say(f"machine: {platform.node()}, {os.cpu_count()} CPU cores, no GPU: simulator and Grappler figures")
+    say(f"command: .venv/bin/python benchmarks/recompute.py {' '.join(sys.argv[1:])}")
+    say("")
+    for case in cases:
+        recipe, batch, device, link = CASES[case]
+        say(f"{case}: {recipe} batch {batch}, {device} on {link}, 16 GiB (budget 14.40 GiB)")
+        for actions in ACTIONS:
+            rewritten, estimate, seconds = plan_case(recipe, batch, device, link, actions)
+            say(row(case, actions, rewritten, estimate, seconds))
+            say(f"{'':<12} {rewritten.report.tuning[:300]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Recompute: a third action for a tensor the backward pass reads late, beside keeping and swapping.
+
+On today's GPUs the link has not kept pace with compute: at the batch sizes LMS is for, the bytes a
+swap plan moves each way take longer than the step's compute, and no schedule of copies hides that.
+Much of what is swapped is cheap to make again: batch-norm, ReLU and add outputs are memory-bound
+element-wise ops that cost a few percent of the step. So a tensor can instead be freed after its
+forward readers and made again in the backward pass, just before its first backward reader, from
+tensors that are live then anyway (Chen et al. 2016's checkpointing, chosen per tensor as Capuchin
+and Checkmate do).
+
+**What is recomputed** (`Segment`): the tensor's producer and, where its inputs are not live at that
+moment, their producers too (at most `MAX_SEGMENT_OPS` ops), back to *anchors*: tensors that are
+live when the segment runs without any plan keeping them (small ones, variables' values, constants,
+and tensors some backward op at or after that moment reads anyway). The segment's ops are cloned
+into the backward pass; the clones' results are read by the tensor's backward readers only.
+
+**What is refused** (`reason_not_to_recompute`): every op whose type is not on `RECOMPUTABLE_TYPES`,
+a list of deterministic, stateless ops: memory-bound ones (element-wise math, bias adds, casts,
+reshapes, pooling, padding, batch-norm in training mode, whose moving statistics are written by
+separate ops that keep reading the original) and the forward convolutions and matrix products, whose
+kernels give the same result for the same shapes (the planner weighs their time against a swap's).
+So never a variable read (a clone could read a weight after the optimizer updated it), a random op
+with hidden state, a collective, or an op inside control flow. Stateless random ops (a seeded dropout
+mask) are deterministic and may be cloned; their seed is an anchor.
+
+**When the clones run**: each clone waits, by a control edge, for a *trigger*, the backward op on
+the first reader's chain of latest backward inputs one level before it (lms_core.planner.find_trigger,
+the swap-ins' own rule): without it TensorFlow would run the clones as soon as their anchors exist,
+in the forward pass, and nothing would be freed. lms_core.tf.gating proves on the partition graphs
+TensorFlow executes that every clone waits for its trigger.
+
+**Which tensors** (`plan_recompute`): while the unswapped step's simulated peak is over the budget,
+at its peak moment the segments whose tensors are idle then (forward readers done, backward readers
+not started) are taken, the most bytes freed per second of recompute first, until they cover the
+excess; the step is rewritten (`with_recomputes`) and simulated again. What recompute cannot cover
+is left to the swap strategies, planned on the rewritten step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lms_core.graph import BACKWARD, FORWARD, Graph, Op, split_tensor, tensor_name
+from lms_core.passes.pipeline import analyze
+from lms_core.plan import Recompute
+from lms_core.planner import NEVER_SWAPPED_TYPES, SHAPE_ONLY_TYPES, find_trigger
+
+#: Deterministic, stateless, memory-bound ops: cheap to run again, the same result every time.
+MEMORY_BOUND_TYPES = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign", "Gelu",
+    "Identity", "Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Neg", "Square",
+    "SquaredDifference", "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "BiasAdd", "Cast", "Reshape", "ExpandDims",
+    "Squeeze", "FusedBatchNormV3", "SelectV2", "GreaterEqual", "Pad", "ConcatV2", "Transpose", "Slice",
+    "StridedSlice", "MaxPool", "MaxPool3D", "AvgPool", "AvgPool3D", "UpSampling3D", "Tile",
+    "StatelessRandomUniformV2", "StatelessRandomGetKeyCounter", "StatelessRandomBinomial",
+})
+#: Deterministic, stateless, compute-bound ops: their forward kernels give the same result each time
+#: for the same shapes (cuDNN's and cuBLAS's forward algorithms, chosen once per shape), at the cost of
+#: a forward pass's share of their time. The planner weighs that against what swapping would cost.
+COMPUTE_BOUND_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul", "BatchMatMulV2"})
+RECOMPUTABLE_TYPES = MEMORY_BOUND_TYPES | COMPUTE_BOUND_TYPES
+MAX_SEGMENT_OPS = 12  # ops cloned for one tensor at most: a longer chain is no longer cheap
+NON_DATA_DTYPES = frozenset({"resource", "variant", "string"})
+
+
+def clone_name(tensor: str, op: str) -> str:
+    """The name of `op`'s clone in the backward pass, in the segment that makes `tensor` again. Each
+    segment has clones of its own: a clone shared by two would wait for both triggers, and one of
+    them may run only after the other's readers."""
+    producer, index = split_tensor(tensor)
+    return f"lms/recompute_{producer}_{index}/{op}"
+
+
+def reason_not_to_recompute(op: Op, types: frozenset[str] = RECOMPUTABLE_TYPES) -> str | None:
+    """Why `op` may not be cloned into the backward pass (with clones of `types` allowed), or None."""
+    if op.type not in types:
+        kind = "memory-bound " if types == MEMORY_BOUND_TYPES else ""
+        return f"{op.type} is not on the list of deterministic, stateless {kind}ops"
+    if op.region is not None:
+        return f"inside v1 control flow ({op.region})"
+    if op.category != FORWARD:
+        return f"a {op.category} op"
+    if any(t.dtype in NON_DATA_DTYPES or t.nbytes is None for t in op.outputs):
+        return "an output of unknown size or a handle"
+    return None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A tensor that can be recomputed: the ops to clone (graph order, its producer last), the
+    tensors they read from outside (live when they run), its backward readers and their trigger."""
+
+    tensor: str
+    nbytes: int
+    ops: tuple[str, ...]
+    anchors: tuple[str, ...]
+    consumers: tuple[str, ...]  # the backward readers, which read the clone
+    trigger: str
+    seconds: float  # the clones' time by the cost model
+
+    def entry(self) -> Recompute:
+        return Recompute(tensor=self.tensor, nbytes=self.nbytes, ops=list(self.ops),
+                         clones=[clone_name(self.tensor, op) for op in self.ops], anchors=list(self.anchors),
+                         consumers=list(self.consumers), trigger=self.trigger, seconds=self.seconds)
+
+
+def backward_readers(graph: Graph, tensor: str) -> list[Op]:
+    """The backward ops reading `tensor`'s data (shape-only readers keep the original), by level."""
+    readers = {graph[c].name: graph[c] for c, _ in graph.consumers(tensor)
+               if graph[c].category == BACKWARD and graph[c].type not in SHAPE_ONLY_TYPES}
+    return sorted(readers.values(), key=lambda op: (op.level, op.name))
+
+
+def find_segment(graph: Graph, tensor: str, costs: dict[str, float], min_tensor_bytes: int,
+                 freed: frozenset[str] = frozenset(), types: frozenset[str] = RECOMPUTABLE_TYPES) -> Segment | str:
+    """The segment that recomputes `tensor` for its backward readers, or why there is none. Tensors
+    in `freed` (recomputed themselves) are no anchors: the segment makes them again too."""
+    producer = graph[split_tensor(tensor)[0]]
+    readers = backward_readers(graph, tensor)
+    if not readers:
+        return "no backward op reads it"
+    first = readers[0]
+    ops, anchors, pending = [], [], [producer.name]
+    while pending:
+        name = pending.pop()
+        if name in ops:
+            continue
+        reason = reason_not_to_recompute(graph[name], types)
+        if reason is not None:
+            return f"{name}: {reason}"
+        ops.append(name)
+        if len(ops) > MAX_SEGMENT_OPS:
+            return f"more than {MAX_SEGMENT_OPS} ops to make it again"
+        for source in graph[name].inputs:
+            if source not in freed and _is_anchor(graph, source, first.level, min_tensor_bytes):
+                anchors.append(source)
+            else:
+                pending.append(split_tensor(source)[0])
+    trigger = find_trigger(graph, first, first.level - 1)
+    if trigger is None:
+        return f"no backward op runs before {first.name} to start it"
+    order = {name: position for position, name in enumerate(graph.order)}
+    ops.sort(key=order.__getitem__)
+    return Segment(tensor, graph.tensor(tensor).nbytes, tuple(ops), tuple(dict.fromkeys(anchors)),
+                   tuple(op.name for op in readers), trigger.name, sum(costs.get(op, 0.0) for op in ops))
+
+
+def _is_anchor(graph: Graph, tensor: str, level: int, min_tensor_bytes: int) -> bool:
+    """Whether `tensor` is live at `level` of the backward pass whatever a plan does: small, a
+    variable's value or a constant, or read by a backward op at or after that level."""
+    producer = graph[split_tensor(tensor)[0]]
+    info = graph.tensor(tensor)
+    if producer.type in NEVER_SWAPPED_TYPES or info.nbytes is None or info.nbytes < min_tensor_bytes:
+        return True
+    return any(graph[c].category == BACKWARD and graph[c].level >= level for c, _ in graph.consumers(tensor))
+
+
+def with_recomputes(graph: Graph, recomputes: list[Recompute]) -> Graph:
+    """`graph` with each entry's ops cloned (every clone waiting for the entry's trigger) and its
+    backward readers reading the clone of the tensor: a new IR, analysed when `graph` was."""
+    if not recomputes:
+        return graph
+    added: list[Op] = []
+    rerouted: dict[tuple[str, str], str] = {}
+    for entry in recomputes:
+        clones = dict(zip(entry.ops, entry.clones))
+        for name in entry.ops:
+            op = graph[name]
+            inputs = [_cloned(source, clones) for source in op.inputs]
+            added.append(Op(clones[name], op.type, op.device, inputs, [entry.trigger], list(op.outputs)))
+        for consumer in entry.consumers:
+            rerouted[(consumer, entry.tensor)] = _cloned(entry.tensor, clones)
+    ops = []
+    for op in graph.ops.values():
+        inputs = [rerouted.get((op.name, source), source) for source in op.inputs]
+        ops.append(Op(op.name, op.type, op.device, inputs, list(op.control_inputs), list(op.outputs)))
+    rewritten = Graph(ops + added, graph.outputs)
+    return analyze(rewritten) if graph.analyses else rewritten
+
+
+def clone_costs(costs: dict[str, float], recomputes: list[Recompute]) -> dict[str, float]:
+    """`costs` with each clone costing what its original does."""
+    cloned = dict(costs)
+    for entry in recomputes:
+        cloned.update({clone: costs.get(op, 0.0) for op, clone in zip(entry.ops, entry.clones)})
+    return cloned
+
+
+def _cloned(tensor: str, clones: dict[str, str]) -> str:
+    op, index = split_tensor(tensor)
+    return tensor_name(clones[op], index) if op in clones else tensor
+
+
+def candidate_segments(graph: Graph, costs: dict[str, float], min_tensor_bytes: int,
+                       freed: frozenset[str] = frozenset(), types: frozenset[str] = RECOMPUTABLE_TYPES
+                       ) -> list[Segment]:
+    """Every forward tensor of at least `min_tensor_bytes` that backward ops read and that can be
+    recomputed (`freed`: tensors recomputed already, which are no anchors), in graph order."""
+    segments = []
+    for name in graph.order:
+        op = graph[name]
+        if op.category != FORWARD or op.type not in types:
+            continue
+        for index, info in enumerate(op.outputs):
+            if info.nbytes is None or info.nbytes < min_tensor_bytes:
+                continue
+            found = find_segment(graph, tensor_name(name, index), costs, min_tensor_bytes, freed, types)
+            if isinstance(found, Segment):
+                segments.append(found)
+    return segments
+
+
+def idle_at(schedule_start: dict[str, float], schedule_end: dict[str, float], graph: Graph, segment: Segment,
+            moment: float) -> bool:
+    """Whether `segment`'s tensor could be off the device at `moment` of a simulated step: its
+    producer and every reader other than its backward readers have ended, and none of those has
+    started."""
+    producer = split_tensor(segment.tensor)[0]
+    near = [c for c, _ in graph.consumers(segment.tensor) if c not in segment.consumers]
+    done = max((schedule_end.get(op, float("inf")) for op in (producer, *near)), default=0.0)
+    needed = min(schedule_start.get(op, float("inf")) for op in segment.consumers)
+    return done <= moment < needed
+
+
+#: Rounds of "simulate, take what is idle at the peak, rewrite" at most.
+MAX_ROUNDS = 12
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The tensors recomputed, the step they are recomputed in (the IR with the clones) and its
+    op costs (the clones cost what their originals do)."""
+
+    recomputes: list[Recompute]
+    graph: Graph
+    costs: dict[str, float]
+
+
+def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, budget_bytes: int,
+                   min_tensor_bytes: int, types: frozenset[str] = RECOMPUTABLE_TYPES) -> RecomputePlan:
+    """Recomputes chosen to bring the unswapped step's simulated peak within `budget_bytes`, as far
+    as recompute can: while it is over, at the moment of its peak, tensors idle then are freed,
+    cheapest per byte first, until they cover the excess. Each freed tensor is made again from the
+    nearest tensors that are not freed: a tensor freed later extends the segments that read it, and
+    one that would make a segment longer than MAX_SEGMENT_OPS, or reach an op not of `types`, is
+    passed over. `settings` go into the plan the step is simulated with (LMSConfig.settings())."""
+    from lms_core.access_order import Schedule
+    from lms_core.plan import Plan
+    from lms_core.simulator import simulate
+
+    floor = max(1, min_tensor_bytes)
+    freed: dict[str, Segment] = {}
+    current, current_costs = graph, costs
+    for _ in range(MAX_ROUNDS):
+        result = simulate(current, Plan(settings=settings), current_costs, link, keep_events=True)
+        if result.peak_device_bytes <= budget_bytes:
+            break
+        schedule = Schedule(current, result)
+        moment = schedule.times[schedule.usage.index(schedule.peak)]
+        idle = sorted((s for s in candidate_segments(graph, costs, floor, frozenset(freed), types)
+                       if s.tensor not in freed and idle_at(schedule.start, schedule.end, current, s, moment)),
+                      key=lambda s: (s.seconds / s.nbytes, s.tensor))
+        excess, added = result.peak_device_bytes - budget_bytes, False
+        for candidate in idle:
+            trial = segments_for(graph, costs, floor, [*freed, candidate.tensor], types)
+            if trial is None:
+                continue  # freeing it would leave some segment unable to make its tensor again
+            freed, added = trial, True
+            excess -= candidate.nbytes
+            if excess <= 0:
+                break
+        if not added:
+            break  # nothing more recompute can free at the peak: the rest is for the swaps
+        entries = [segment.entry() for segment in freed.values()]
+        current, current_costs = with_recomputes(graph, entries), clone_costs(costs, entries)
+    return RecomputePlan([segment.entry() for segment in freed.values()], current, current_costs)
+
+
+def segments_for(graph: Graph, costs: dict[str, float], min_tensor_bytes: int, tensors: list[str],
+                 types: frozenset[str]) -> dict[str, Segment] | None:
+    """Each of `tensors` with the segment that makes it again when all of them are freed; None when
+    one of them cannot be."""
+    freed = frozenset(tensors)
+    segments = {}
+    for tensor in tensors:
+        found = find_segment(graph, tensor, costs, min_tensor_bytes, freed, types)
+        if not isinstance(found, Segment):
+            return None
+        segments[tensor] = found
+    return segments

@@ -208,7 +208,8 @@ def check_backend(recipe: Recipe, spec: LaunchSpec) -> None:
     if tool in ("horovodrun", "mpirun") or tool.endswith("/horovodrun"):
         if shutil.which(tool) is None:
             hint = ("install Open MPI (apt-get install openmpi-bin) or use --backend gloo" if tool == "mpirun"
-                    else "run scripts/install.sh, which builds Horovod")
+                    else "Horovod is not installed: scripts/install.sh builds it where g++ and make are (it says "
+                         "what is missing); one rank needs none: --np 1")
             raise UsageError(f"distributed.backend={recipe.distributed.backend} needs '{tool}' on PATH; {hint}")
 
 

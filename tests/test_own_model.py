@@ -6,6 +6,7 @@ partitions TensorFlow executed, and loss and every weight equal to the step with
 trains through `lms-launch` with checkpoints, and a broken builder fails with its fault named."""
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -23,6 +24,7 @@ from launcher.rank.training import build_training
 from lms_core import api
 from tests.fixtures import COMPUTE, HOST, REPO, assert_same_training, lms_launch_argv
 
+MIB = 1 << 20
 EXAMPLE = REPO / "examples" / "tiny_vit" / "tiny-vit-cpu.yaml"
 STEPS = 3
 
@@ -96,6 +98,28 @@ def test_the_example_trains_with_lms_checkpoints_and_its_model_loads(tmp_path):
     finally:
         sys.path.remove(str(EXAMPLE.parent))
     assert model(np.zeros([2, 32, 32, 3], np.float32)).shape == (2, 10)
+
+
+def grappler_fits_at_side(side: int, memory: int) -> bool:
+    """An independent judgement: the example's own step with a side x side input, estimated directly."""
+    from lms_core.tf.estimate import estimate_peak
+
+    recipe = load_recipe(EXAMPLE, [f"model.input_shape=[{side},{side},3]", "lms.enabled=false"])
+    setup = example_setup(recipe)
+    concrete = setup.step.get_concrete_function(*setup.specs)
+    return estimate_peak(concrete.graph.as_graph_def(), concrete, memory).fits
+
+
+def test_bench_max_resolution_rebuilds_the_builders_model_on_its_own_grid(tmp_path):
+    from launcher.bench import command
+
+    out = tmp_path / "bench"
+    assert command.main(["max-resolution", str(EXAMPLE), "--configs", "none", "--step", "4", "--max", "64",
+                         "--device-memory", "24MiB", "--no-floor-bound", "--out", str(out)]) == 0
+    row = next(r for r in csv.DictReader((out / "results.csv").open()) if r["configuration"] == "none")
+    side = int(row["largest_size"])
+    assert side % 4 == 0  # the ViT's patches: sides on the grid --step gave
+    assert grappler_fits_at_side(side, 24 * MIB) and not grappler_fits_at_side(side + 4, 24 * MIB)
 
 
 # --- a builder that cannot be used: named before anything starts, or when the rank builds it ------

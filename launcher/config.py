@@ -68,7 +68,7 @@ class ModelConfig:
     one `FusedBatchNormV3` and one `FusedBatchNormGradV3` per layer, as TF 1.x Keras computed the
     LMS papers' ResNet-50 (launcher/rank/tasks/fused_batch_norm.py). The same normalization to float
     rounding; fused runs fewer ops, yet lms-launch's plans reach a smaller batch with it by Grappler's
-    estimate (1062 against 1317 on 16 GiB: README, "The papers' tables")."""
+    estimate (1062 against 1317 on 16 GiB: docs/benchmarks.md)."""
 
     labels: int | None = None
     """unet3d only [3]: binary label maps per voxel, one sigmoid output each; 3 for BraTS's nested
@@ -110,7 +110,7 @@ class ModelConfig:
     it as consecutive loops of N steps, each from the state the last one ended with: the same
     computation, but each loop keeps only its own steps' activations for the backward pass, so LMS
     swaps them a chunk at a time and the largest set back on the device at once shrinks with N
-    (README, "The papers' tables"). The decoder may run at most 5 loops: N >= target length / 5."""
+    (docs/benchmarks.md). The decoder may run at most 5 loops: N >= target length / 5."""
 
     def __post_init__(self) -> None:
         if self.builder is not None:

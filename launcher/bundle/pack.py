@@ -272,7 +272,8 @@ def guard_left_out(site: Path, left_out: list[LeaveOut]) -> None:
 
 
 def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | None:
-    """The device tool's calls that bring the parts to this project's lent GPU machine, one part per call."""
+    """The calls that bring the parts to a machine reached through a tool that runs one command per call
+    with at most 64 MiB of files (how lms-launch's GPU figures were made): one part per call."""
     try:
         rel = (out_dir / bundle_name).resolve().relative_to(REPO)
     except ValueError:

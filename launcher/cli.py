@@ -149,7 +149,8 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in checkpoint.dir (rank 0 loads it "
                              "and broadcasts it; training goes on at the step after it)")
-    parser.add_argument("--version", action="store_true", help="print lms-launch's version and exit")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print lms-launch's version (and Python's, TensorFlow's, Horovod's) and exit")
     return parser
 
 
@@ -233,9 +234,6 @@ def find_horovodrun() -> str:
 
 def train_main(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
-    if args.version:
-        print(version_line())
-        return 0
     overrides = flag_overrides(args)
     recipe = load_recipe(args.recipe, overrides)
     hosts = resolve_hosts(recipe)

@@ -70,7 +70,7 @@ class Case:
     lms: bool
 
 
-# Sizes for a 16 GiB hold, from the estimate judge's tables (README): ResNet-50 fits batch 198 without
+# Sizes for a 16 GiB hold, from the estimate judge's tables (docs/benchmarks.md): ResNet-50 fits batch 198 without
 # swapping, the U-Net 192^3; the LMS cases are past that and well inside what lms-launch reaches.
 CASES = {
     "resnet50": [Case("resnet50", "max-batch", size, lms) for size, lms in

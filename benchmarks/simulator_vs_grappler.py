@@ -9,7 +9,7 @@ nvlink2 and pcie3, copies hold device buffers longer, so the simulator's peak sh
 Grappler's. Where no op waits for a copy out (`sync_mode` 0) they should not agree: Grappler counts the
 swapped tensor gone when its readers end, while TensorFlow's executor, running ahead of the GPU, sees
 it gone only at its next wait for the GPU, which the simulator models (HOST_RUNS_AHEAD; on an H100,
-2026-11-27: 20.48 GiB measured for a plan Grappler put at 3.25, README "On a real GPU"). ResNet-50 is
+2026-11-27: 20.48 GiB measured for a plan Grappler put at 3.25, docs/benchmarks.md, "An H100"). ResNet-50 is
 planned with the default settings but `swapin_ahead: 1`, at `sync_mode` 0 and 1, the U-Net with
 threshold 4, ahead 1, sync 3: each swap-in triggered by the op right before its consumer, the one
 schedule both models describe alike. (Grappler runs a swapped value's _Recv just before its consumer whatever the trigger;

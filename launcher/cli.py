@@ -1,13 +1,6 @@
-"""`lms-launch`: train a recipe on N ranks, plan LMS for it, or write TFRecord files.
-
-    lms-launch RECIPE [--np N] [-H host:slots,...] [--hostfile FILE] [--backend gloo|mpi]
-                      [--network-interface IF] [--ssh-port PORT] [--ssh-identity-file KEY] [--start-timeout S]
-                      [--set key.path=value ...] [--run-dir DIR] [--dry-run] [--resume]
-    lms-launch plan RECIPE [--set ...] [--device-memory 16GiB] [--host-memory 512GiB] [--link L] [--device D]
-                    [--out DIR] [--plot]
-    lms-launch tfrecord --kind images|volumes --out DIR ...
-    lms-launch bench max-batch|max-resolution RECIPE [--judge auto|estimate|run] [--device-memory 16GiB] [--out DIR]
-    lms-launch bundle [--have FILE|NAME] [--part-size 56MiB] [--out DIR]   # offline runtime for a GPU machine
+"""`lms-launch`: train a recipe on N ranks with Large Model Support, plan LMS for it, find the largest
+size that fits, write TFRecord files, or pack an offline GPU runtime. `lms-launch --help` lists the
+commands and the training options; `lms-launch help COMMAND` shows a command's own.
 
 Exit status: 0 on success, 1 when a rank fails, 2 for bad usage or a bad recipe (nothing started,
 nothing written), 130 after Ctrl-C and 143 after SIGTERM (the ranks stop after the same step and save
@@ -27,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from launcher import __version__
 from launcher.launch.command import (HostsError, LaunchSpec, build_launch, parse_hostfile, parse_hosts, ssh_options,
                               worker_argv)
 from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
@@ -34,15 +28,42 @@ from launcher.config import Recipe
 from launcher.recipe import RecipeError, load_recipe, recipe_to_dict
 
 # The other commands, each `main(argv) -> exit status` in its own module, imported when asked for
-# (they load TensorFlow; `lms-launch RECIPE` itself does not).
+# (they load TensorFlow; `lms-launch RECIPE` itself does not), and what each does, in one line.
 SUBCOMMANDS = {"plan": "launcher.lms.plan_command", "bench": "launcher.bench.command",
                "tfrecord": "launcher.rank.data.convert", "bundle": "launcher.bundle"}
+SUMMARIES = {
+    "RECIPE": "train a YAML recipe data-parallel on N ranks, LMS in every rank (options: lms-launch --help)",
+    "plan": "will it fit? trace a recipe's step, plan LMS for a device, estimate its memory; no GPU, no training",
+    "bench": "the largest batch or input that fits: without swapping, with TensorFlow's and with lms-launch's",
+    "tfrecord": "write training data as TFRecord files (images, volumes, token sequences: docs/data.md)",
+    "bundle": "pack TensorFlow and its CUDA libraries for a GPU machine without network (docs/gpu-bundle.md)",
+    "help": "this overview, or one command's options: lms-launch help plan",
+}
+OVERVIEW = "\n".join(
+    ["Train TensorFlow 2 models data-parallel with Horovod, with Large Model Support: activations parked",
+     "in host memory during the forward pass and brought back just before the backward op that needs them.",
+     "", "commands:"]
+    + [f"  {name:<10}{line}" for name, line in SUMMARIES.items()]
+    + ["", "examples:",
+       "  lms-launch recipes/unet3d-cpu.yaml                  2 ranks on this machine's CPU, LMS on",
+       "  lms-launch recipes/resnet50.yaml --np 4             4 GPUs of this node, one rank per GPU",
+       "  lms-launch recipes/resnet50.yaml -H n1:4,n2:4       8 GPUs on two nodes (ssh to each)",
+       "  lms-launch plan recipes/resnet50.yaml --device-memory 16GiB --link pcie4",
+       "  lms-launch recipes/resnet50.yaml --set train.batch_size=128 --set lms.enabled=false"])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # subcommands that load TensorFlow: no INFO noise
     try:
+        if not argv:  # what there is to run, not an error about a missing recipe
+            print(short_help(), file=sys.stderr)
+            return USAGE_STATUS
+        if argv[:1] == ["--version"]:
+            print(version_line())
+            return 0
+        if argv[:1] == ["help"]:
+            return help_main(argv[1:])
         if argv and argv[0] in SUBCOMMANDS:
             return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
         return train_main(argv)
@@ -51,18 +72,64 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_STATUS
 
 
+def help_main(argv: list[str]) -> int:
+    """`lms-launch help [COMMAND]`: the overview with the training options, or COMMAND's --help."""
+    if len(argv) > 1:
+        raise UsageError(f"help takes one command at most; got {' '.join(argv)}")
+    command = argv[0] if argv else "train"
+    if command == "help":
+        print(short_help())
+        return 0
+    if command in ("train", "RECIPE"):
+        train_parser().print_help()
+        return 0
+    if command not in SUBCOMMANDS:
+        raise UsageError(f"help: no command {command!r}; the commands are {', '.join(SUBCOMMANDS)} "
+                         f"(and train, the default: lms-launch RECIPE)")
+    try:
+        return importlib.import_module(SUBCOMMANDS[command]).main(["--help"])
+    except SystemExit as done:  # argparse's --help exits once it has printed
+        return int(done.code or 0)
+
+
+def short_help() -> str:
+    """The usage and the commands, without the training options."""
+    return f"{train_parser().format_usage()}\n{OVERVIEW}\n\nEvery training option: lms-launch --help."
+
+
+def version_line() -> str:
+    """`lms-launch X (Python P; tensorflow T, horovod H)` from the installed distributions' metadata,
+    without importing them (so it answers at once, and where TensorFlow is broken too)."""
+    from importlib import metadata
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return f"{name} {metadata.version(name)}"
+            except metadata.PackageNotFoundError:
+                continue
+        return f"{names[0]} not installed"
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    return (f"lms-launch {__version__} (Python {python}; {installed('tensorflow', 'tensorflow-cpu')}, "
+            f"{installed('horovod')})")
+
+
 def train_parser() -> argparse.ArgumentParser:
     parser = UsageParser(
         prog="lms-launch",
-        description="Train a YAML recipe data-parallel with Horovod, with Large Model Support. "
-                    "Other commands: 'lms-launch plan RECIPE' (LMS plan and memory estimate, no training), "
-                    "'lms-launch tfrecord' (write training data files), "
-                    "'lms-launch bench max-batch|max-resolution RECIPE' (the largest size that fits, side by side).",
-        epilog="Precedence: recipe defaults < the YAML file < --set and the flags above. "
-               "Exit status: 0 success, 1 a rank failed, 2 bad usage or recipe, 130 Ctrl-C, 143 SIGTERM.")
-    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/resnet50-cpu.yaml")
-    parser.add_argument("--np", type=int, help="total ranks (distributed.np)")
-    parser.add_argument("-H", "--hosts", help="host:slots,... as for horovodrun (distributed.hosts)")
+        usage="\n".join(["lms-launch RECIPE [--np N] [-H HOST:SLOTS,... | --hostfile FILE] [--set KEY=VALUE ...] "
+                         "[options]",
+                         f"       lms-launch {{{','.join(SUBCOMMANDS)}}} ...",
+                         "       lms-launch help [COMMAND] | --version"]),
+        description=OVERVIEW,
+        epilog="Precedence: recipe defaults < the YAML file < --set < the flags above.\n"
+               "Exit status: 0 success, 1 a rank failed, 2 bad usage or recipe (nothing started),\n"
+               "130 Ctrl-C, 143 SIGTERM. Documentation: README.md and docs/ in the repository.")
+    parser.add_argument("recipe", help="the YAML recipe to train, e.g. recipes/resnet50.yaml")
+    parser.add_argument("--np", type=int, help="total ranks, one per GPU (distributed.np; default 1)")
+    parser.add_argument("-H", "--hosts", help="host:slots,... as for horovodrun; ranks fill the hosts in order "
+                                              "(distributed.hosts; default: all on this machine)")
     parser.add_argument("--hostfile", help="file of 'host slots=N' lines (distributed.hostfile)")
     parser.add_argument("--backend", choices=("gloo", "mpi"), help="distributed.backend")
     parser.add_argument("--network-interface", metavar="IF",
@@ -73,8 +140,7 @@ def train_parser() -> argparse.ArgumentParser:
                         help="private key for ssh to the other hosts (distributed.ssh_identity_file)")
     parser.add_argument("--start-timeout", type=int, metavar="S",
                         help="seconds the ranks may take to start on all hosts (distributed.start_timeout)")
-    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. --set train.batch_size=64 (repeatable)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     parser.add_argument("--run-dir", help="where metrics, the resolved recipe and plans go "
                                           "(default: runs/<recipe>-<time>)")
     parser.add_argument("--dry-run", action="store_true",
@@ -83,6 +149,8 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in checkpoint.dir (rank 0 loads it "
                              "and broadcasts it; training goes on at the step after it)")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print lms-launch's version (and Python's, TensorFlow's, Horovod's) and exit")
     return parser
 
 
@@ -141,7 +209,8 @@ def check_backend(recipe: Recipe, spec: LaunchSpec) -> None:
     if tool in ("horovodrun", "mpirun") or tool.endswith("/horovodrun"):
         if shutil.which(tool) is None:
             hint = ("install Open MPI (apt-get install openmpi-bin) or use --backend gloo" if tool == "mpirun"
-                    else "run scripts/install.sh, which builds Horovod")
+                    else "Horovod is not installed: scripts/install.sh builds it where g++ and make are (it says "
+                         "what is missing); one rank needs none: --np 1")
             raise UsageError(f"distributed.backend={recipe.distributed.backend} needs '{tool}' on PATH; {hint}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from lms_core.config import LMSConfig, SettingError
 
@@ -27,18 +28,36 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass
 class ModelConfig:
-    """The network and its input. Keys that belong to one network only (marked so) are refused for
-    the other; left out, they take that network's default, shown in brackets."""
+    """The network and its input: one of the built-in networks (`name`), or your own (`builder`).
+    Keys that belong to one built-in network only (marked so) are refused for the others; left out,
+    they take that network's default, shown in brackets."""
 
-    name: str = "resnet50"
-    """Which network: `resnet50` (Keras ResNet-50, He et al. 2016), `unet3d` (the 3D U-Net of
-    Isensee et al. 2017 that the LMS papers trained; launcher/rank/tasks/unet3d.py) or `seq2seq` (an
-    LSTM encoder-decoder with attention, Meng et al. 2017's case; launcher/rank/tasks/seq2seq.py)."""
+    name: str | None = None
+    """Which built-in network [resnet50]: `resnet50` (Keras ResNet-50, He et al. 2016), `unet3d` (the
+    3D U-Net of Isensee et al. 2017 that the LMS papers trained; launcher/rank/tasks/unet3d.py) or
+    `seq2seq` (an LSTM encoder-decoder with attention, Meng et al. 2017's case;
+    launcher/rank/tasks/seq2seq.py). With `builder`, any label for logs and the summary [the builder's
+    `module:function`]."""
+
+    builder: str | None = None
+    """Your own model instead of a built-in one: `module:function`, e.g. `my_package.models:build`.
+    The module is imported from the recipe file's folder first, then from the Python path; the
+    function gets a `ModelSpec` and `options` as keyword arguments and returns a `BuiltModel`
+    (launcher/rank/tasks/builder.py; docs/own-model.md has the contract and an example)."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    """builder only: keyword arguments for the builder function, e.g. `{depth: 4, classes: 10}`;
+    each must be one of its parameters."""
+
+    builder_dir: str | None = None
+    """builder only: the folder searched first for the builder's module. Leave it out: the loader
+    sets it to the recipe file's folder (the resolved recipe.yaml of a run keeps it)."""
 
     input_shape: list[int] = field(default_factory=lambda: [224, 224, 3])
     """One sample's shape, channels last: [H, W, C] for resnet50, [D, H, W, C] for unet3d (D, H and
     W multiples of 2^(levels-1), e.g. 16 for 5 levels), [source length, target length] in tokens for
-    seq2seq."""
+    seq2seq; for a builder, what its `ModelSpec.input_shape` says (the model's input without the
+    batch)."""
 
     classes: int | None = None
     """resnet50 only [1000]: output classes; each image has one label in [0, classes)."""
@@ -49,7 +68,7 @@ class ModelConfig:
     one `FusedBatchNormV3` and one `FusedBatchNormGradV3` per layer, as TF 1.x Keras computed the
     LMS papers' ResNet-50 (launcher/rank/tasks/fused_batch_norm.py). The same normalization to float
     rounding; fused runs fewer ops, yet lms-launch's plans reach a smaller batch with it by Grappler's
-    estimate (1062 against 1317 on 16 GiB: README, "The papers' tables")."""
+    estimate (1062 against 1317 on 16 GiB: docs/benchmarks.md)."""
 
     labels: int | None = None
     """unet3d only [3]: binary label maps per voxel, one sigmoid output each; 3 for BraTS's nested
@@ -91,9 +110,16 @@ class ModelConfig:
     it as consecutive loops of N steps, each from the state the last one ended with: the same
     computation, but each loop keeps only its own steps' activations for the backward pass, so LMS
     swaps them a chunk at a time and the largest set back on the device at once shrinks with N
-    (README, "The papers' tables"). The decoder may run at most 5 loops: N >= target length / 5."""
+    (docs/benchmarks.md). The decoder may run at most 5 loops: N >= target length / 5."""
 
     def __post_init__(self) -> None:
+        if self.builder is not None:
+            self._check_builder()
+            return
+        for key in ("options", "builder_dir"):
+            if getattr(self, key):
+                raise SettingError(key, "applies to model.builder only; give model.builder, or remove it")
+        self.name = "resnet50" if self.name is None else self.name
         _one_of("name", self.name, MODELS)
         layout = {"resnet50": "[H, W, C]", "unet3d": "[D, H, W, C]", "seq2seq": "[source length, target length]"}
         want = layout[self.name].count(",") + 1
@@ -135,6 +161,21 @@ class ModelConfig:
                 f"(e.g. {fits + self.input_shape[3:]}, or fewer model.levels)",
             )
 
+
+    def _check_builder(self) -> None:
+        module, sep, function = self.builder.partition(":")
+        if not sep or not module.strip() or not function.isidentifier() \
+                or not all(part.isidentifier() for part in module.split(".")):
+            raise SettingError("builder", f"must be module:function, e.g. my_package.models:build; got {self.builder!r}")
+        for key in (k for keys in _MODEL_DEFAULTS.values() for k in keys):
+            if getattr(self, key) is not None:
+                raise SettingError(key, f"belongs to a built-in network; for model.builder give it to your builder "
+                                        f"as model.options.{key}")
+        if not self.input_shape or any(d < 1 for d in self.input_shape):
+            raise SettingError("input_shape", f"must be one or more positive sizes; got {self.input_shape}")
+        if any(not isinstance(key, str) or not key.isidentifier() for key in self.options):
+            raise SettingError("options", f"keys must be the builder's parameter names; got {list(self.options)}")
+        self.name = self.builder if self.name is None else self.name
 
     def _check_seq2seq(self) -> None:
         if self.vocabulary < 3:

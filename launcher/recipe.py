@@ -29,7 +29,25 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     for item in overrides:
         key, value = parse_override(item)
         set_path(raw, key, value)
-    return recipe_from_dict(raw, source=str(path))
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("builder") is not None and model.get("builder_dir") is None:
+        model["builder_dir"] = str(Path(path).resolve().parent)  # your module sits beside your recipe
+    recipe = recipe_from_dict(raw, source=str(path))
+    if recipe.model.builder is not None:
+        check_builder(recipe, source=str(path))
+    return recipe
+
+
+def check_builder(recipe: Recipe, source: str) -> None:
+    """Imports `model.builder`'s module and checks its function and `model.options` now, so that a
+    missing module, function or option fails before anything starts. (That imports TensorFlow, as
+    the user's module does; the built-in models' recipes load without it.)"""
+    from launcher.rank.tasks.builder import BuilderError, resolve_builder
+
+    try:
+        resolve_builder(recipe.model)
+    except BuilderError as err:
+        raise RecipeError(f"{source}: {err}") from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -131,6 +149,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
             except RecipeError:
                 pass
         return _convert(choices[-1], value, key)
+    if origin is dict:  # a free mapping (model.options): YAML values, keys checked by their reader
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key}: expected a mapping of keys, got {_describe(value)}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise RecipeError(f"{key}: expected a list, got {_describe(value)}")

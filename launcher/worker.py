@@ -112,7 +112,7 @@ def run_rank(recipe: Recipe, ctx, run_dir: Path, resume: bool) -> int:
     recipe = precision_for_device(recipe, ctx, say)
     if ctx.is_root:
         write_resolved_recipe(recipe, run_dir)
-    setup = training.build_training(recipe, ctx.size, ctx.device)
+    setup = build_training(recipe, ctx)
     state = list(setup.model.variables) + list(setup.optimizer.variables)
     try:  # with --resume rank 0 loads the checkpoint here, and the broadcast below shares it
         resumed = checkpoint.resume_point(recipe.checkpoint, setup.model, setup.optimizer, ctx,
@@ -140,6 +140,17 @@ def run_rank(recipe: Recipe, ctx, run_dir: Path, resume: bool) -> int:
         return result.stop_status
     finish(recipe, ctx, setup, result, run_dir, resumed.step)
     return 0
+
+
+def build_training(recipe: Recipe, ctx):
+    """The rank's model, optimizer and step; a builder that breaks its contract fails every rank alike."""
+    from launcher.rank import training
+    from launcher.rank.tasks.builder import BuilderError
+
+    try:
+        return training.build_training(recipe, ctx.size, ctx.device)
+    except BuilderError as err:
+        raise RankFailure(USAGE_STATUS, str(err), alike=True) from None
 
 
 def precision_for_device(recipe: Recipe, ctx, say) -> Recipe:

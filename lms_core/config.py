@@ -233,7 +233,7 @@ class LMSConfig:
     puts at 16.15 GiB, over 16). The first GPU run sides with the model: the U-Net at 256^3 on an
     H100 held to 16 GiB (2026-11-27), an access-order plan of 14.40 GiB simulated that the model said
     needs 17.85 GiB ran out of memory. One case; making `bfc` the GPU rank's default waits for the
-    bench re-run with it (README, "On a real GPU")."""
+    bench re-run with it (docs/benchmarks.md, "An H100")."""
 
     host_memory_ratio: float = 0.8
     """The auto-tuner keeps swapped bytes under host memory x this, shared by the ranks of a host."""

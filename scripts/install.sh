@@ -23,20 +23,34 @@ wheel_cache=${LMS_LAUNCH_WHEELS:-$HOME/.cache/lms-launch/wheels}
 say() { printf '[install] %s\n' "$*" >&2; }
 
 # --- system packages ------------------------------------------------------------------------------
-# openssh-server, iproute2: tests/test_multihost.py makes hosts from network namespaces, each with an sshd.
+# Installed with apt-get only when this script runs as root (a fresh machine, a Docker build); it never
+# calls sudo. Without root it names what is missing and what each is for, and goes on with what can be
+# done: one rank, `lms-launch plan` and `lms-launch bench` need neither Horovod nor MPI.
+declare -A purpose=(
+  [g++]="compiles Horovod, which more than one rank needs"
+  [make]="compiles Horovod, which more than one rank needs"
+  [cmake]="Horovod's build (pip's cmake in .venv stands in)"
+  [libopenmpi-dev]="Open MPI's headers: Horovod with MPI, for --backend mpi (Gloo, the default, needs none)"
+  [openmpi-bin]="mpirun, for --backend mpi"
+  [openssh-server]="an sshd per test host in tests/test_multihost.py (skipped without it)"
+  [iproute2]="the network namespaces of tests/test_multihost.py"
+)
 apt_missing=()
 for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing+=("$pkg")
 done
 if ((${#apt_missing[@]})); then
-  if command -v apt-get >/dev/null 2>&1; then
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     say "apt-get install ${apt_missing[*]}"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
   else
-    say "no apt-get here; please install: ${apt_missing[*]}"
+    why="not root"
+    [ "$(id -u)" -eq 0 ] && why="no apt-get here"
+    say "system packages not installed ($why; this script never calls sudo):"
+    for pkg in "${apt_missing[@]}"; do say "  $pkg: ${purpose[$pkg]}"; done
+    say "  as root: apt-get install ${apt_missing[*]}; on a cluster, load a compiler and Open MPI as modules"
+    say "going on with what needs none of them"
   fi
 fi
 
@@ -122,9 +136,23 @@ check_nccl_build_tools() {
   say "error: building Horovod with NCCL needs nccl.h: install libnccl-dev (NVIDIA's CUDA apt repository) or set HOROVOD_NCCL_HOME"
   exit 1
 }
+horovod_missing=""  # why Horovod is not built, when it is not
 if [ "$(installed_version horovod)" != "$HOROVOD_VERSION" ] || \
    ! "$py" -c 'import horovod.tensorflow' >/dev/null 2>&1; then
   mkdir -p "$wheel_cache/$variant"
+  have_wheel=0
+  ls "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1 && have_wheel=1
+  for tool in g++ make; do
+    if [ "$have_wheel" = 0 ] && ! command -v "$tool" >/dev/null 2>&1; then
+      horovod_missing="${horovod_missing:+$horovod_missing and }$tool"
+    fi
+  done
+fi
+if [ -n "$horovod_missing" ]; then
+  say "Horovod $HOROVOD_VERSION not built: its build needs $horovod_missing (see above). One rank, 'lms-launch plan'" \
+      "and 'lms-launch bench' work without it; run this script again once they are there"
+elif [ "$(installed_version horovod)" != "$HOROVOD_VERSION" ] || \
+     ! "$py" -c 'import horovod.tensorflow' >/dev/null 2>&1; then
   if ! ls "$wheel_cache/$variant"/horovod-"$HOROVOD_VERSION"-*.whl >/dev/null 2>&1; then
     [ "$want_gpu" = 1 ] && check_nccl_build_tools
     say "building Horovod $HOROVOD_VERSION from source ($variant; about 3-5 minutes on 2 cores)"
@@ -148,4 +176,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want_stamp" ]; then
   "${pip[@]}" -e "$repo_root[dev]"
   echo "$want_stamp" >"$stamp"
 fi
-say "ready: $("$venv/bin/horovodrun" --version 2>/dev/null | tail -n1 | sed 's/^/horovod /') tensorflow $(installed_version "$tf_dist")"
+if [ -n "$horovod_missing" ]; then
+  say "ready for one rank: $tf_dist $(installed_version "$tf_dist"), lms-launch in $venv (no Horovod: several ranks need it)"
+else
+  say "ready: $("$venv/bin/horovodrun" --version 2>/dev/null | tail -n1 | sed 's/^/horovod /') tensorflow $(installed_version "$tf_dist")"
+fi

@@ -105,3 +105,62 @@ def test_the_installed_command_exits_2_on_a_bad_recipe(tmp_path):
     assert done.returncode == 2
     assert "train.batch_size: must be >= 1; got 0" in done.stderr
     assert not run_dir.exists()
+
+
+# --- a command line that explains itself ---------------------------------------------------------------
+
+def command_parsers():
+    """Every parser a user meets, by the command that prints it."""
+    from launcher.bench.command import parser as bench_parser
+    from launcher.bundle.pack import parser as bundle_parser
+    from launcher.lms.plan_command import parser as plan_parser
+    from launcher.rank.data.convert import parser as tfrecord_parser
+
+    return {"lms-launch": cli.train_parser(), "plan": plan_parser(), "bench": bench_parser(),
+            "tfrecord": tfrecord_parser(), "bundle": bundle_parser()}
+
+
+def help_of(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as done:  # argparse exits once it has printed the help
+        cli.main(list(argv))
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_command_with_one_line_and_help_says_the_same(capsys):
+    text = help_of(capsys, "--help")
+    lines = text.splitlines()
+    for command in [*cli.SUBCOMMANDS, "help", "RECIPE"]:
+        assert sum(line.startswith(f"  {command} ") for line in lines) == 1, command
+    assert cli.main(["help"]) == 0 and capsys.readouterr().out == text
+    assert "--version" in text and "--set KEY=VALUE" in text and text.count("usage:") == 1
+
+
+@pytest.mark.parametrize("command", ["plan", "bench", "tfrecord", "bundle"])
+def test_help_of_each_command_prints_its_usage_once(capsys, command):
+    assert cli.main(["help", command]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: lms-launch {command}") and text.count("usage:") == 1
+    assert text.count(f"`lms-launch {command} ") == 0  # no second synopsis from the module's docstring
+
+
+def test_every_option_of_every_command_has_help_and_no_word_of_our_own_machines():
+    for name, parser in command_parsers().items():
+        for action in parser._actions:
+            assert action.help, f"{name}: {action.option_strings or action.dest} has no help text"
+        text = parser.format_help().lower()
+        for word in ("lent", "device tool", "this project's", "workplace"):
+            assert word not in text, f"{name} --help speaks of {word!r}"
+
+
+def test_version_and_a_help_for_no_such_command(capsys):
+    import platform
+
+    from launcher import __version__
+
+    assert cli.main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"lms-launch {__version__} (Python {platform.python_version()}; tensorflow")
+    assert cli.main(["help", "bogus"]) == 2
+    assert "help: no command 'bogus'; the commands are plan, bench, tfrecord, bundle" in capsys.readouterr().err
+    assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err  # no recipe: what there is to run

@@ -187,7 +187,7 @@ def test_the_plan_report_carries_the_live_peak_the_allocator_the_pool_and_the_bo
     assert live.memory.judge == "live" and live.plan.swaps == []
     assert "fits judged by the simulated peak" in live.memory.describe()
     # ... but the allocator needs 5 MiB for it (worked out by hand in the first test), over the 4 MiB
-    # budget: the plan says so (a GPU ran out of memory on such a plan, README "On a real GPU").
+    # budget: the plan says so (a GPU ran out of memory on such a plan, docs/benchmarks.md, "An H100").
     assert live.warnings == ("by the allocator model TensorFlow's GPU allocator needs 5.00 MiB for this plan "
                              "(budget 4.00 MiB), which lms.fit_judge live does not check; on a GPU, --set "
                              "lms.fit_judge=bfc plans for the allocator",)

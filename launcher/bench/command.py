@@ -319,6 +319,10 @@ def main(argv: list[str]) -> int:
     try:
         report = run(setup, work)
         write_report(report, work, setup.out.absolute())
+    except RecipeError as err:  # a model.builder whose result breaks its contract
+        discard(work)
+        print(f"lms-launch bench: error: {err}\nno results were written", file=sys.stderr)
+        return 2
     except ProbeError as err:
         # No results, but the failed probe's log is what the error sends the user to: keep the probes.
         kept = keep_probes(work, setup.out)

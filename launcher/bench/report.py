@@ -142,8 +142,9 @@ def markdown(report: BenchReport) -> str:
         lines.append(f"| {result.label} | {_size_text(report, result)} | {ratio} | {samples} | {overheads} | "
                      f"{format_bytes(peak)} | {format_bytes(floor)} | {per_floor} | {len(result.search.probes)} | "
                      f"{result.search.seconds:.0f} |")
-    lines += ["", "Published figures (real GPUs, each against its own no-swapping baseline):", "",
-              "| source | model | what it reports | ratio | note |", "| --- | --- | --- | --- | --- |"]
+    if report.papers:  # the papers' models only; your own model has none
+        lines += ["", "Published figures (real GPUs, each against its own no-swapping baseline):", "",
+                  "| source | model | what it reports | ratio | note |", "| --- | --- | --- | --- | --- |"]
     for paper in report.papers:
         lines.append(f"| {paper.source} | {paper.model} | {paper.measure} | {_fmt_ratio(paper.ratio)} | {paper.note} |")
     notes = [note for result in report.results for note in (f"{result.label}: {n}" for n in result.notes)]

@@ -2,7 +2,8 @@
 
 - `max-batch`: the per-rank batch, any positive integer (`--step` coarsens the grid).
 - `max-resolution`: the side of a square (ResNet-50) or cubic (3D U-Net) input, channels and batch as
-  in the recipe. The U-Net's sides must be multiples of 2^(levels-1) (16 for the paper's 5 levels),
+  in the recipe; for a `model.builder`, every side of its input but the last (channels), on a grid
+  of 1 unless `--step` gives the model's own. The U-Net's sides must be multiples of 2^(levels-1) (16 for the paper's 5 levels),
   or its stride-2 levels cannot halve them exactly and the decoder cannot meet the encoder's skips
   (launcher/config.py checks the same): that is its step, and its smallest side (one voxel at the
   bottom level). ResNet-50 halves its input five times: multiples of 32 keep every stage
@@ -61,6 +62,8 @@ class SizeAxis:
     def describe(self) -> str:
         if self.kind == "max-batch":
             return "the per-rank batch"
+        if self.step == 1:
+            return "the side of the input, any size (a model that needs multiples of N: --step N)"
         why = "2^(levels-1): one voxel at the bottom level" if self.model == "unet3d" else "the network stride"
         return f"the side of a {'cubic' if self.dims == 3 else 'square'} input, in steps of {self.step} ({why})"
 
@@ -71,7 +74,9 @@ def size_axis(kind: str, recipe: Recipe) -> SizeAxis:
     if kind == "max-batch":
         return SizeAxis(kind, recipe.model.name, 1, 1, recipe.train.batch_size, 1, "batch")
     spatial = recipe.model.input_shape[:-1]
-    if recipe.model.name == "unet3d":
+    if recipe.model.builder is not None:  # your model's own grid is yours to give: --step (and --min)
+        step = smallest = 1
+    elif recipe.model.name == "unet3d":
         step = 2 ** (recipe.model.levels - 1)
         smallest = step
     else:

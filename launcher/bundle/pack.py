@@ -1,7 +1,7 @@
 """Make an offline bundle of lms-launch's GPU runtime for a machine without network.
 
-    lms-launch bundle --have h100-cuda-image            # this project's lent H100, Python 3.12
     lms-launch bundle --python 3.11 --have mycluster.txt --part-size 200MiB --out /scratch/bundles
+    lms-launch bundle --have h100-cuda-image            # a CUDA 13 image with Python 3.12 (launcher/bundle/targets)
     lms-launch bundle resplit bundle/NAME --part-size 2GiB   # same archives, other part size
 
 On a machine with network (to PyPI), with the project's .venv: resolves TensorFlow 2.18.1 with its CUDA 12
@@ -272,7 +272,8 @@ def guard_left_out(site: Path, left_out: list[LeaveOut]) -> None:
 
 
 def device_calls(bundle_name: str, manifest: Manifest, out_dir: Path) -> str | None:
-    """The device tool's calls that bring the parts to this project's lent GPU machine, one part per call."""
+    """The calls that bring the parts to a machine reached through a tool that runs one command per call
+    with at most 64 MiB of files (how lms-launch's GPU figures were made): one part per call."""
     try:
         rel = (out_dir / bundle_name).resolve().relative_to(REPO)
     except ValueError:
@@ -376,7 +377,14 @@ class Options:
 
 
 def parse_args(argv: list[str]) -> Options:
-    parser = UsageParser(prog="lms-launch bundle", description=__doc__.split("\n")[0],
+    args = parser().parse_args(argv)
+    return options_from(args)
+
+
+def parser() -> UsageParser:
+    """`lms-launch bundle`'s options; `lms-launch bundle resplit` has its own (resplit_main)."""
+    examples = __doc__[__doc__.index("    lms-launch"):__doc__.index("On a")]
+    parser = UsageParser(prog="lms-launch bundle", description=__doc__.split("\n")[0] + "\n\n" + examples,
                          epilog=__doc__[__doc__.index("On a"):])
     parser.add_argument("--python", default="3.12", help="the target's Python, e.g. 3.12 or 3.12.3 (default 3.12)")
     parser.add_argument("--machine", default="x86_64", choices=("x86_64", "aarch64"), help="the target's processor")
@@ -385,8 +393,8 @@ def parse_args(argv: list[str]) -> Options:
                         help="what the target has: a `pip list --format=freeze` file, a name under "
                              f"{TARGETS.relative_to(REPO)} (h100-cuda-image), or none (default: carry everything)")
     parser.add_argument("--part-size", default=f"{DEFAULT_PART_SIZE // MiB}MiB",
-                        help=f"largest part (default {DEFAULT_PART_SIZE // MiB}MiB: one part and the repository fit "
-                             f"the device tool's 64 MiB per call), e.g. 2GiB")
+                        help=f"largest part, e.g. 2GiB where files may be large (default {DEFAULT_PART_SIZE // MiB}MiB, "
+                             f"for transfers limited to 64 MiB)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="bundles' folder (default: bundle/ in the repository, git-ignored)")
     parser.add_argument("--name", help="the bundle's folder name (default from TensorFlow, Python, machine, have-file)")
     parser.add_argument("--cache", type=Path, help="wheel cache (default OUT/cache/wheels); reused by later runs")
@@ -400,7 +408,11 @@ def parse_args(argv: list[str]) -> Options:
     parser.add_argument("--preset", type=int, default=archive.DEFAULT_PRESET, choices=range(0, 10), metavar="0-9",
                         help="xz preset (default 9)")
     parser.add_argument("--keep-tree", action="store_true", help="keep the installed tree (OUT/.work-NAME) for inspection")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def options_from(args) -> Options:
+    """The parsed options, checked; raises BundleError naming the bad one."""
     try:
         havemod.marker_environment(args.python, args.machine)
     except ValueError as err:

@@ -80,7 +80,7 @@ def all_ranks(ctx: RankContext, flag: bool) -> bool:
 def broadcast_variables(ctx: RankContext, variables: list) -> None:
     """Gives every rank rank 0's values (weights and optimizer state) before the first step.
     Keras 3 variables break `hvd.broadcast_variables`, as they break `hvd.DistributedGradientTape`
-    (README, "Why TensorFlow is pinned to 2.18"), so each is assigned the tensor that `hvd.broadcast` returns."""
+    (docs/install.md, "Why TensorFlow 2.18.1 and Horovod 0.28.1"), so each is assigned the tensor that `hvd.broadcast` returns."""
     if ctx.size == 1:
         return
     import horovod.tensorflow as hvd

@@ -6,7 +6,11 @@ from launcher.rank.tasks.base import Task
 
 
 def build_task(recipe: Recipe) -> Task:
-    """The task for `model.name`; imports lazily so only the chosen model's code is loaded."""
+    """The task for `model.builder` or `model.name`; imports lazily so only the chosen model's code is
+    loaded."""
+    if recipe.model.builder is not None:
+        from launcher.rank.tasks.builder import BuilderTask
+        return BuilderTask(recipe)
     if recipe.model.name == "resnet50":
         from launcher.rank.tasks.resnet50 import ResNet50Task
         return ResNet50Task(recipe)

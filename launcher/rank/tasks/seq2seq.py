@@ -15,9 +15,9 @@ The network, as NMT systems of the paper's time built it:
 - masked cross-entropy: padding (token 0) counts for nothing.
 
 The full softmax's logits and their gradient, B x T x vocabulary each, are one op's inputs and
-outputs, so no swap can move them: at 32,000 words they cap what LMS can reach (README, "The papers'
-tables"). With a sampled softmax the loss holds B x T x (samples + 1) scores instead, and what the
-recurrent loops keep for the backward pass, which LMS swaps, is most of the step's memory.
+outputs, so no swap can move them: at 32,000 words they cap what LMS can reach (docs/benchmarks.md).
+With a sampled softmax the loss holds B x T x (samples + 1) scores instead, and what the recurrent
+loops keep for the backward pass, which LMS swaps, is most of the step's memory.
 
 One input tensor per sample carries both token sequences, int32 [source_length + target_length]: the
 source, then the decoder's input; the labels are the target tokens, int32 [target_length].

@@ -57,6 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.reporting import Log, nvidia_smi  # noqa: E402  (ROOT is on the path)
 GIB = 1 << 30
 RUN_STEPS, SKIP_STEPS = 5, 2  # per case, as the bench's run judge: 2 unmeasured (tracing, warm-up)
 PROBE_TIMEOUT_S = 540
@@ -105,19 +106,6 @@ CASES["unet3d-cpu"] = [Case("unet3d-cpu", "max-resolution", 32, False), Case("un
 QUICK["unet3d-cpu"] = [(32, False), (48, True)]
 
 
-class Log:
-    """Prints to the terminal and to the part's file, flushing both at every line."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("w")
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.file.write(line + "\n")
-        self.file.flush()
-
-
 def header(log: Log, part: str) -> None:
     """Date, machine, GPU, driver, TensorFlow's CUDA and cuDNN, and the command."""
     import tensorflow as tf
@@ -138,15 +126,6 @@ def header(log: Log, part: str) -> None:
         log("NO GPU: this run checks the harness on the CPU allocator; its figures are not GPU measurements")
     log(f"part: {part}")
     log()
-
-
-def nvidia_smi(field: str) -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
 
 def part_tests(log: Log) -> int:

@@ -64,9 +64,10 @@ bench() {  # lms-launch bench's folder has more files than the device tool bring
 }
 
 peers_start() {  # from a copy: the next transfer call replaces the working tree the script was started from
-    local src=/tmp/lms-peers-src  # the script, and the one module of this repository it reads (byte sizes)
+    local src=/tmp/lms-peers-src  # the script, and the two modules of this repository it reads
     mkdir -p "$peers" "$src/benchmarks/peers" "$src/lms_core" && cp benchmarks/peers/*.py "$src/benchmarks/peers/" &&
-        cp lms_core/__init__.py lms_core/units.py "$src/lms_core/" || return 1
+        cp benchmarks/reporting.py "$src/benchmarks/" && cp lms_core/__init__.py lms_core/units.py "$src/lms_core/" ||
+        return 1
     echo "== peers: started in the background $(date -u +%T), output in $peers"
     setsid nohup python3 "$src/benchmarks/peers/resnet50_torch.py" --out "$peers" --deadline-s "${LMS_PEERS_DEADLINE:-200}" \
         >"$peers/peers.log" 2>&1 < /dev/null &

@@ -58,6 +58,7 @@ STARTED = time.monotonic()  # a stage's share of the deadline counts from its pr
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from lms_core.units import parse_bytes  # noqa: E402  (plain Python: runs where only PyTorch is installed)
+from benchmarks.reporting import nvidia_smi  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 VARIANTS = ("plain", "ckpt-block", "ckpt-stage", "save-on-cpu", "offload-overlap")
@@ -568,15 +569,6 @@ class Results:
         scratch = self.path.with_suffix(".json.tmp")
         scratch.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
         scratch.replace(self.path)
-
-
-def nvidia_smi(field: str) -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
 
 def tf32_settings() -> dict:

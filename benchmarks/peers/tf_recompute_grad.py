@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.reporting import Log, nvidia_smi  # noqa: E402  (the repository's root is on the path)
+
 STARTED = time.monotonic()
 TF_CPU_ALLOCATOR_USE_BFC = "TF_CPU_ALLOCATOR_USE_BFC"  # CPU:0 keeps memory statistics only with BFC
 TF_CPP_MIN_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
@@ -35,28 +38,6 @@ TXT = "gpu-peers-tf-recompute-grad.txt"
 GIB, MIB = 1 << 30, 1 << 20
 # The stem ends at pool1_pool; each stage ends at its last block's output (Keras's own layer names).
 CUTS = ("pool1_pool", "conv2_block3_out", "conv3_block4_out", "conv4_block6_out", "conv5_block3_out")
-
-
-class Log:
-    """Prints to the terminal and to the text file, flushing both at every line."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("w")
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.file.write(line + "\n")
-        self.file.flush()
-
-
-def nvidia_smi(field: str) -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
 
 def header(log: Log, args: argparse.Namespace) -> None:

@@ -193,7 +193,9 @@ def plot(recipe: Recipe, planned, report, target, path: Path) -> None:
     # Without LMS: the step as traced (the planned graph may hold a recompute's clones).
     unswapped = simulate(planned.traced or planned.graph, Plan(settings=report.plan.settings), planned.costs,
                          target.link, keep_timeline=True)
-    swapped = simulate(planned.graph, report.plan, planned.costs, target.link, keep_timeline=True)
+    swapped = simulate(planned.graph, report.plan, planned.costs, target.link, keep_timeline=True, keep_events=True)
+    clones = {clone for entry in report.plan.recomputes for clone in entry.clones}
+    recomputed = [(start, end) for name, start, end in swapped.executed if name in clones]
     plot_step(path, unswapped, swapped, memory, int(memory * recipe.lms.memory_ratio),
               f"{recipe.model.name} {recipe.model.input_shape} batch {recipe.train.batch_size} on "
-              f"{target.link.name} / {target.device.name}")
+              f"{target.link.name} / {target.device.name}", recomputed)

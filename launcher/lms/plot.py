@@ -1,5 +1,5 @@
 """`lms-launch plan --plot FILE.png`: device memory over one step, with and without LMS, against the
-budget; and when each copy queue (D2H, H2D) is busy."""
+budget; and when each copy queue (D2H, H2D) is busy, and when recomputed ops run."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +10,8 @@ GIB = 2**30
 
 
 def plot_step(path: Path, baseline: SimulationResult, lms: SimulationResult, device_memory_bytes: int,
-              budget_bytes: int, title: str) -> None:
+              budget_bytes: int, title: str, recomputed: list[tuple[float, float]] = ()) -> None:
+    """`recomputed`: when the plan's recompute clones run on the compute queue, (start, end) in seconds."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on clusters and CI
@@ -32,11 +33,13 @@ def plot_step(path: Path, baseline: SimulationResult, lms: SimulationResult, dev
     memory.legend(loc="upper right", fontsize=8)
     memory.grid(alpha=0.3)
 
-    for row, (busy, label, colour) in enumerate(((lms.d2h_busy, "D2H (swap-out)", "tab:orange"),
-                                                 (lms.h2d_busy, "H2D (swap-in)", "tab:green"))):
+    rows = [(lms.d2h_busy, "D2H (swap-out)", "tab:orange"), (lms.h2d_busy, "H2D (swap-in)", "tab:green")]
+    if recomputed:
+        rows.append((list(recomputed), "recompute (compute)", "tab:purple"))
+    for row, (busy, label, colour) in enumerate(rows):
         bars = [(start * 1000, max((end - start) * 1000, 1e-3)) for start, end in busy]
         queues.broken_barh(bars, (row - 0.4, 0.8), color=colour)
-    queues.set_yticks([0, 1], ["D2H (swap-out)", "H2D (swap-in)"])
+    queues.set_yticks(list(range(len(rows))), [label for _, label, _ in rows])
     queues.set_xlabel(f"time in the step (ms); transfer hidden behind compute: {lms.hidden_share:.0%}, "
                       f"stalls {lms.stall_time_s * 1000:.0f} ms")
     queues.grid(alpha=0.3, axis="x")

@@ -94,14 +94,24 @@ def test_a_plan_whose_measured_peak_fits_is_kept_after_one_round_and_the_weights
 
 
 def test_when_no_plan_moves_the_peak_the_rank_plans_lower_each_round_and_keeps_the_lowest_with_a_warning():
-    """Planned for 24 MiB, the step really needs about 30 (no swap moves it on a CPU): three rounds,
-    each for less than the last, and the rank keeps the lowest measured peak, saying it may not fit.
-    The steps of the local step (the plan applied to a step traced anew) are what is measured."""
-    result = scenario(batch=2, device_memory="24MiB", allocator_mib=400, local=True)
+    """Planned for 24 MiB, the step really needs about 30 (no swap moves a CPU's peak): each round
+    plans for less than the last, by what the last one's reading says, until the third, or until the
+    next budget would be under 5% of the device (the CPU's peak varies with how many ops its threads
+    run at once: on a busy machine the readings are higher and the budgets fall faster). The rank
+    keeps the lowest measured peak, saying it may not fit. The steps of the local step (the plan
+    applied to a step traced anew) are what is measured."""
+    # Swaps only: a recompute frees memory on any device, and would move the CPU's peak too.
+    result = scenario(2, "24MiB", 400, True, "lms.actions=[swap]")
     rounds = result["rounds"]
-    assert len(rounds) == 3 and not any(r["fits"] for r in rounds)
-    budgets = [r["budget_bytes"] for r in rounds]
-    assert all(lower < higher for higher, lower in zip(budgets, budgets[1:]))
+    device, limit, margin = 24 * MIB, int(24 * MIB * 0.95), int(24 * MIB * 0.02)
+
+    def next_budget(done: dict) -> int:  # lms_core.driver.miss_based by hand, for a plan that does not fit
+        return min(limit - (done["measured_peak_bytes"] - done["predicted_peak_bytes"]) - margin,
+                   done["budget_bytes"] - margin)
+
+    assert len(rounds) >= 2 and not any(r["fits"] for r in rounds)
+    assert [r["budget_bytes"] for r in rounds[1:]] == [next_budget(r) for r in rounds[:-1]]
+    assert len(rounds) == 3 or next_budget(rounds[-1]) < device * 0.05
     assert all(r["measured_peak_bytes"] > 24 * MIB * 0.95 for r in rounds)
     lowest = min(rounds, key=lambda r: r["measured_peak_bytes"])
     assert [r["kept"] for r in rounds] == [r is lowest for r in rounds]  # none fits: the lowest is kept, with a warning

@@ -17,7 +17,7 @@ BATCH_NORMS = ("keras", "fused")  # how resnet50 trains batch norm (ModelConfig.
 DATA_SOURCES = ("synthetic", "tfrecord")
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("float32", "mixed_float16")
-BACKENDS = ("gloo", "mpi")
+BACKENDS = ("gloo", "mpi", "srun")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -251,16 +251,21 @@ class DistributedConfig:
     """How many ranks, where, and how they talk."""
 
     np: int = 1
-    """Total ranks. 1 runs a single process without a Horovod launcher."""
+    """Total ranks. 1 runs a single process without a Horovod launcher. Inside a Slurm job whose hosts
+    the launch takes from the job, every slot of the job unless --np or --set distributed.np says
+    otherwise (a recipe's np is for machines of one's own)."""
 
     hosts: str | None = None
-    """`host:slots,host:slots` as for horovodrun -H. Empty: all ranks on this machine."""
+    """`host:slots,host:slots` as for horovodrun -H. Empty: all ranks on this machine, or inside a Slurm
+    job (sbatch, salloc) the job's nodes with its tasks per node as slots (docs/clusters.md)."""
 
     hostfile: str | None = None
     """A file with one `host slots=N` (or `host:N`) per line, as for horovodrun --hostfile."""
 
     backend: str = "gloo"
-    """`gloo` (horovodrun --gloo; needs nothing else) or `mpi` (mpirun; Horovod built with MPI)."""
+    """`gloo` (horovodrun --gloo; needs nothing else), `mpi` (mpirun; Horovod built with MPI), both
+    over ssh to other hosts, or `srun` (inside a Slurm job: srun starts the ranks as the tasks of a
+    job step and they meet at a Gloo rendezvous lms-launch serves; no ssh between nodes)."""
 
     network_interface: str | None = None
     """Network interface(s) the ranks talk over, e.g. `eth0` or `ib0,eth0` (horovodrun

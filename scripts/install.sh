@@ -24,8 +24,10 @@ say() { printf '[install] %s\n' "$*" >&2; }
 
 # --- system packages ------------------------------------------------------------------------------
 # openssh-server, iproute2: tests/test_multihost.py makes hosts from network namespaces, each with an sshd.
+# slurmctld, slurmd, slurm-client, munge: tests/test_slurm.py runs a real Slurm on those hosts (the
+# packages start no daemon here: the test starts its own, with its own configuration, and stops them).
 apt_missing=()
-for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2; do
+for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2 slurmctld slurmd slurm-client munge; do
   dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing+=("$pkg")
 done
 if ((${#apt_missing[@]})); then

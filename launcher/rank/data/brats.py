@@ -12,9 +12,10 @@ Each subject becomes one record, as Isensee et al. 2017 prepared BraTS for this 
 - channels t1, t1ce (t1Gd), flair, t2, the order of their network and of the 3DUnetCNN project the
   LMS papers trained;
 - each channel normalised on its own, over the brain only: minus the mean and divided by the standard
-  deviation of the brain's voxels, and 0 outside the brain ("each modality of each patient
-  independently ... of the brain region. The region outside the brain is set to 0"). The brain is
-  where any channel is non-zero (the skull-stripped background is 0 in all four);
+  deviation of the brain's voxels, and 0 outside the brain, as Isensee et al. normalised each modality
+  of each patient (their section on preprocessing: statistics of the brain region, so the size of the
+  background does not shift them). The brain is where any channel is non-zero (the skull-stripped
+  background is 0 in all four);
 - the D x H x W window centred on the brain's bounding box (axes in the files' own order), padded
   with zeros where the window reaches past the volume: no resampling, so voxels stay 1 mm. A window
   smaller than a brain cuts it; the converter says how many brain and tumour voxels each subject

@@ -222,8 +222,8 @@ def brats_shape(args: argparse.Namespace) -> list[int]:
                            f"{'drop ' + ', '.join(given) if given else f'not --kind {args.kind}'}")
     if not args.shape:
         raise ConvertError("--from-brats needs --shape D,H,W: the window cut around each brain, in the files' axis "
-                           "order (BraTS: 240 x 240 x 155), each a multiple of 2^(model.levels-1); 144,176,144 "
-                           "holds a whole BraTS brain at 1 mm")
+                           "order (BraTS: 240 x 240 x 155), each a multiple of 2^(model.levels-1), e.g. "
+                           "144,176,144; each subject whose brain it cuts is reported")
     try:
         shape = [int(size) for size in args.shape.split(",")]
     except ValueError:

@@ -99,8 +99,9 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides\nReturnToService=2\n"
             # KillWait: seconds between scancel's SIGTERM and its SIGKILL; time for a checkpoint.
             "KillWait=30\nInactiveLimit=0\nMinJobAge=600\nSlurmctldTimeout=30\n"
-            # SlurmdTimeout: seconds without an answer before slurmctld declares a node lost (300 by default).
-            "SlurmdTimeout=10\n"
+            # SlurmdTimeout: seconds without an answer before slurmctld declares a node lost (300 by default);
+            # generous, so a loaded machine never loses a node by accident (the test that loses one says so).
+            "SlurmdTimeout=60\n"
             f"{nodes}PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
         (self.root / "state").mkdir()
         for node in self.cluster.nodes:

@@ -99,7 +99,8 @@ def test_inside_a_job_the_hosts_and_rank_count_come_from_it_unless_given():
     assert line == ("lms-launch: Slurm job 7: hosts node1:2,node2:2 from SLURM_JOB_NODELIST=node[1-2] and "
                     "SLURM_TASKS_PER_NODE=2(x2); 4 ranks (every slot)")
     overrides, line = job_overrides(DistributedConfig(np=3), np_given=True, environ=job)
-    assert overrides == ["distributed.hosts=node1:2,node2:2"] and line.endswith("3 ranks (distributed.np) of its 4 slots")
+    assert overrides == ["distributed.hosts=node1:2,node2:2"]
+    assert line.endswith("3 ranks (distributed.np) of its 4 slots")
     assert job_overrides(DistributedConfig(np=2, hosts="a:2"), np_given=False, environ=job) == ([], None)
     assert job_overrides(DistributedConfig(np=2), np_given=False, environ={}) == ([], None)
 
@@ -107,7 +108,8 @@ def test_inside_a_job_the_hosts_and_rank_count_come_from_it_unless_given():
 @pytest.mark.parametrize("env, args, message", [
     ({}, [], "distributed.backend=srun starts the ranks as the tasks of a Slurm job step; this is not inside an "
              "allocation (SLURM_JOB_ID is not set)"),
-    (JOB_ENV, ["-H", "node1:1,node2:1"], "distributed.backend=srun runs the ranks on the job's own nodes: leave out -H"),
+    (JOB_ENV, ["-H", "node1:1,node2:1"],
+     "distributed.backend=srun runs the ranks on the job's own nodes: leave out -H"),
     ({**JOB_ENV, "SLURM_TASKS_PER_NODE": "1(x3)"}, [], "SLURM_TASKS_PER_NODE='1(x3)' gives 3 node(s)"),
     (JOB_ENV, ["--np", "3"], "distributed.np: 3 ranks but the hosts (node1:1,node2:1) offer 2 slots"),
 ])

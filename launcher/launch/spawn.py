@@ -4,9 +4,9 @@ a progress bar from rank 0's metrics.jsonl, and watches the ranks until they end
 What it does when things go wrong:
 
 - A rank fails (an error, or killed): horovodrun, mpirun and srun (--kill-on-bad-exit) end the
-  other ranks themselves within seconds. If a rank's process on this host is gone and the launch command is still running
-  `RANK_EXIT_GRACE_S` later (the others blocked in a collective that can never complete), the
-  launcher kills every process of the launch itself. Either way it prints which rank failed, how
+  other ranks themselves within seconds. If a rank's process on this host is gone and the launch
+  command is still running `RANK_EXIT_GRACE_S` later (the others blocked in a collective that can
+  never complete), the launcher kills every process of the launch itself. Either way it prints which rank failed, how
   (exit status or signal) and the last lines that rank printed, and returns `EXIT_RANK_FAILED`.
 - Ctrl-C or SIGTERM to the launcher: it passes the signal on to the rank processes on this host (to
   the launch command when it sees none), which makes every rank stop after the same step and rank 0

@@ -247,9 +247,9 @@ def convert_brats(args: argparse.Namespace) -> None:
     except ValueError as err:
         raise ConvertError(str(err)) from None
     check_out(args, len(subjects))
+    window = " x ".join(map(str, shape))
     print(f"converting {len(subjects)} BraTS subject(s) from {args.from_brats}: channels "
-          f"{', '.join(brats.MODALITIES)}, normalised over the brain, in a {' x '.join(map(str, shape))} window around it",
-          flush=True)
+          f"{', '.join(brats.MODALITIES)}, normalised over the brain, in a {window} window around it", flush=True)
     try:
         paths = write_sample_stream(args.out, "volumes", brats.samples(subjects, shape, _say), len(subjects),
                                     args.shards, args.prefix)

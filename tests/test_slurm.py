@@ -101,6 +101,10 @@ def test_inside_a_job_the_hosts_and_rank_count_come_from_it_unless_given():
     overrides, line = job_overrides(DistributedConfig(np=3), np_given=True, environ=job)
     assert overrides == ["distributed.hosts=node1:2,node2:2"]
     assert line.endswith("3 ranks (distributed.np) of its 4 slots")
+    # sbatch -n 3 --ntasks-per-node=2 on 2 nodes: Slurm holds 2 + 2 slots for 3 tasks, and 3 it is.
+    overrides, line = job_overrides(DistributedConfig(np=1), np_given=False, environ={**job, "SLURM_NTASKS": "3"})
+    assert overrides == ["distributed.hosts=node1:2,node2:2", "distributed.np=3"]
+    assert line.endswith("3 ranks (SLURM_NTASKS) of its 4 slots")
     assert job_overrides(DistributedConfig(np=2, hosts="a:2"), np_given=False, environ=job) == ([], None)
     assert job_overrides(DistributedConfig(np=2), np_given=False, environ={}) == ([], None)
 
@@ -191,7 +195,7 @@ def slurm(tmp_path_factory):
     except ClusterUnavailable as err:
         pytest.skip(f"no Slurm cluster on this machine: {err}")
     cpus = sorted(os.sched_getaffinity(0))
-    cluster = Cluster(tmp_path_factory.mktemp("slurm"), {"node1": cpus, "node2": cpus[-1:]})
+    cluster = Cluster(tmp_path_factory.mktemp("slurm"), {"node1": cpus, "node2": cpus})
     slurm = None
     try:
         cluster.build()
@@ -208,11 +212,11 @@ def slurm(tmp_path_factory):
 class Job:
     """The docs' sbatch script submitted from the repository with `args` for lms-launch."""
 
-    def __init__(self, slurm: SlurmCluster, tmp_path: Path, *args: str):
+    def __init__(self, slurm: SlurmCluster, tmp_path: Path, *args: str, sbatch: tuple[str, ...] = ()):
         self.slurm, self.run_dir, self.out = slurm, tmp_path / "run", tmp_path / "job.out"
         tmp_path.mkdir(exist_ok=True)  # Slurm opens the output file; it makes no folder for it
         script = slurm.cluster.root / "lms-launch.sbatch"
-        self.id = slurm.sbatch([f"--output={self.out}"], script,
+        self.id = slurm.sbatch([f"--output={self.out}", *sbatch], script,
                                [str(RECIPES / "unet3d-cpu.yaml"), "--run-dir", str(self.run_dir), *TINY_UNET, *args],
                                cwd=str(REPO))
         self.started = time.monotonic()
@@ -255,20 +259,23 @@ def per_rank(summary: dict) -> list[tuple]:
 @pytest.mark.multihost
 @pytest.mark.slurm
 def test_an_sbatch_job_trains_on_both_nodes_with_either_backend(slurm, tmp_path):
+    # Three tasks, two a node (sbatch's options win over the script's): Slurm holds 2 + 2 slots, the
+    # launch runs the 3 tasks asked for, ranks 0 and 1 on node1 and rank 2 on node2, so local ranks, and
+    # cross ranks over uneven hosts, come through srun's placement.
     runs = {}
     for backend, extra in (("srun", []), ("gloo", ["--backend", "gloo", "--ssh-port", "2222",
                                                     "--ssh-identity-file", str(slurm.cluster.key)])):
-        job = Job(slurm, tmp_path / backend, "--set", "train.steps=6", *extra)
+        job = Job(slurm, tmp_path / backend, "--set", "train.steps=6", *extra, sbatch=("--ntasks=3", "--ntasks-per-node=2"))
         assert job.wait() == "COMPLETED", job.output()
         out = job.output()
-        assert out.startswith(f"lms-launch: Slurm job {job.id}: hosts node1:1,node2:1 from "
-                              f"SLURM_JOB_NODELIST=node[1-2] and SLURM_TASKS_PER_NODE=1(x2); 2 ranks (every slot)\n")
-        assert f"2 rank(s) ({backend})" in out
+        assert out.startswith(f"lms-launch: Slurm job {job.id}: hosts node1:2,node2:2 from SLURM_JOB_NODELIST="
+                              f"node[1-2] and SLURM_TASKS_PER_NODE=2(x2); 3 ranks (SLURM_NTASKS) of its 4 slots\n")
+        assert f"3 rank(s) ({backend})" in out
         summary = json.loads((job.run_dir / "summary.json").read_text())
         records = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert summary["np"] == 2 and summary["weights_in_sync"] is True
-        assert [r["host"] for r in summary["ranks"]] == ["node1", "node2"]
-        assert sorted({r["rank"] for r in records}) == [0, 1] and max(r["step"] for r in records) == 6
+        assert summary["np"] == 3 and summary["weights_in_sync"] is True
+        assert [r["host"] for r in summary["ranks"]] == ["node1", "node1", "node2"]
+        assert sorted({r["rank"] for r in records}) == [0, 1, 2] and max(r["step"] for r in records) == 6
         runs[backend] = per_rank(summary)
         job.finished_cleanly()
     # Same recipe and seed: rank r reads the same batches whoever started it, so srun's ranks must be

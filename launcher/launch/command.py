@@ -125,6 +125,14 @@ def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[Slot]:
     return slots_out
 
 
+def hosts_in_use(slots: list[Slot]) -> list[tuple[str, int]]:
+    """The hosts that hold a rank, in order, each with the ranks it holds."""
+    counts: dict[str, int] = {}
+    for slot in slots:
+        counts[slot.host] = counts.get(slot.host, 0) + 1
+    return list(counts.items())
+
+
 def runs_without_launcher(np: int, slots: list[Slot], local_hosts: frozenset[str] = LOCAL_NAMES) -> bool:
     """The one place that decides the one-rank special case: a single rank on this machine needs no
     horovodrun or mpirun (hvd.init() then gives size 1). It looks at where the rank is placed, not at
@@ -185,7 +193,9 @@ def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: 
     `local_cpus` only fills in --dry-run's view of ranks on this machine."""
     slots = assign_slots(hosts, dist.np)
     added = launcher_env_defaults(user_env)
-    host_list = ",".join(f"{host}:{n}" for host, n in hosts)
+    # The slots the plan fills, not all that were offered: horovodrun --gloo starts a rank in every slot
+    # of -H whatever -np says (Horovod 0.28.1's gloo_run), so -np 3 -H a:2,b:2 would start 4.
+    host_list = ",".join(f"{host}:{count}" for host, count in hosts_in_use(slots))
     direct = runs_without_launcher(dist.np, slots, local_hosts)
 
     if direct:

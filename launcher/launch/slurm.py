@@ -112,15 +112,17 @@ class SlurmJob:
     tasks_text: str
     """SLURM_TASKS_PER_NODE as Slurm wrote it (`2(x3),1`)."""
     tasks_per_node: tuple[int, ...]
-    tasks_asked: bool
-    """The job asked for a task count (sbatch -n or --ntasks-per-node); without one Slurm gives 1 per node."""
+    ntasks: int | None
+    """SLURM_NTASKS: the tasks the job asked for (sbatch -n, or --ntasks-per-node x nodes); None when it
+    asked for no task count, and Slurm gives it one per node. It may be fewer than the slots: -n 3
+    with --ntasks-per-node=2 on 2 nodes holds 2 + 2."""
     gpus_per_node: int | None
 
     @property
     def slots_from_gpus(self) -> bool:
         """One slot per GPU when the job asked for GPUs per node but no task count: Horovod's one rank
         per GPU. Otherwise one slot per task, whatever the GPUs (the user said how many tasks)."""
-        return not self.tasks_asked and bool(self.gpus_per_node)
+        return self.ntasks is None and bool(self.gpus_per_node)
 
     @property
     def hosts(self) -> list[tuple[str, int]]:
@@ -128,13 +130,19 @@ class SlurmJob:
             return [(node, self.gpus_per_node) for node in self.nodes]
         return list(zip(self.nodes, self.tasks_per_node))
 
+    @property
+    def ranks(self) -> int:
+        """The ranks a launch runs unless told otherwise: the tasks the job asked for, else every slot."""
+        slots = sum(count for _, count in self.hosts)
+        return min(self.ntasks, slots) if self.ntasks and not self.slots_from_gpus else slots
+
     def describe(self, np: int, np_given: bool) -> str:
         """The one line that says where the hosts and the rank count came from."""
         source = (f"{ev.SLURM_GPUS_PER_NODE}={self.gpus_per_node}, no task count asked" if self.slots_from_gpus
                   else f"{ev.SLURM_TASKS_PER_NODE}={self.tasks_text}")
-        capacity = sum(slots for _, slots in self.hosts)
-        ranks = f"{np} rank{'s' if np != 1 else ''} " + (f"(distributed.np) of its {capacity} slots" if np_given
-                                                         else "(every slot)")
+        slots = sum(count for _, count in self.hosts)
+        why = "distributed.np" if np_given else ev.SLURM_NTASKS if np < slots else None
+        ranks = f"{np} rank{'s' if np != 1 else ''} " + (f"({why}) of its {slots} slots" if why else "(every slot)")
         return (f"lms-launch: Slurm job {self.job_id}: hosts {format_hosts(self.hosts)} from "
                 f"{ev.SLURM_JOB_NODELIST}={self.nodelist} and {source}; {ranks}")
 
@@ -160,9 +168,11 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob | None:
         raise SlurmError(f"{ev.SLURM_TASKS_PER_NODE}={tasks_text!r} gives {len(tasks)} node(s) but "
                          f"{ev.SLURM_JOB_NODELIST}={nodelist!r} names {len(nodes)}")
     gpus_text = environ.get(ev.SLURM_GPUS_PER_NODE, "")
+    ntasks_text = environ.get(ev.SLURM_NTASKS, "")
+    if ntasks_text and not ntasks_text.isdigit():
+        raise SlurmError(f"{ev.SLURM_NTASKS}={ntasks_text!r} is not a number of tasks")
     return SlurmJob(job_id=job_id, nodelist=nodelist, nodes=tuple(nodes), tasks_text=tasks_text,
-                    tasks_per_node=tuple(tasks),
-                    tasks_asked=ev.SLURM_NTASKS in environ,
+                    tasks_per_node=tuple(tasks), ntasks=int(ntasks_text) if ntasks_text else None,
                     gpus_per_node=parse_gpus_per_node(gpus_text) if gpus_text else None)
 
 
@@ -173,7 +183,7 @@ def np_on_command_line(overrides: list[str]) -> bool:
 
 def job_overrides(dist: DistributedConfig, np_given: bool, environ: Mapping[str, str]) -> tuple[list[str], str | None]:
     """The `--set` entries that give a launch inside a Slurm job the job's hosts, and its rank count
-    unless `np_given`, with the line that says so. Nothing when the launch names its hosts itself
+    (`SlurmJob.ranks`) unless `np_given`, with the line that says so. Nothing when the launch names its hosts itself
     (-H, --hostfile, the recipe) or runs outside a job. The recipe's distributed.np is the rank count
     for a machine of one's own; inside a job the job says how many ranks it holds."""
     job = job_from_env(environ)
@@ -189,7 +199,7 @@ def job_overrides(dist: DistributedConfig, np_given: bool, environ: Mapping[str,
     if job is None or named:
         return [], None
     overrides = [f"distributed.hosts={format_hosts(job.hosts)}"]
-    np = dist.np if np_given else sum(slots for _, slots in job.hosts)
+    np = dist.np if np_given else job.ranks
     if not np_given:
         overrides.append(f"distributed.np={np}")
     return overrides, job.describe(np, np_given)

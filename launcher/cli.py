@@ -24,7 +24,7 @@ from launcher import __version__
 from launcher.launch.command import (HostsError, LaunchSpec, build_launch, parse_hostfile, parse_hosts, ssh_options,
                               worker_argv)
 from launcher.arguments import USAGE_STATUS, UsageError, UsageParser
-from launcher.config import Recipe
+from launcher.config import BACKENDS, Recipe
 from launcher.recipe import RecipeError, load_recipe, recipe_to_dict
 
 # The other commands, each `main(argv) -> exit status` in its own module, imported when asked for
@@ -131,7 +131,7 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("-H", "--hosts", help="host:slots,... as for horovodrun; ranks fill the hosts in order "
                                               "(distributed.hosts; default: all on this machine)")
     parser.add_argument("--hostfile", help="file of 'host slots=N' lines (distributed.hostfile)")
-    parser.add_argument("--backend", choices=("gloo", "mpi"), help="distributed.backend")
+    parser.add_argument("--backend", choices=BACKENDS, help="distributed.backend")
     parser.add_argument("--network-interface", metavar="IF",
                         help="interface(s) the ranks talk over, e.g. eth0 or ib0,eth0 (distributed.network_interface)")
     parser.add_argument("--ssh-port", type=int, metavar="PORT",
@@ -206,12 +206,17 @@ def check_run_dir(run_dir: Path) -> None:
 def check_backend(recipe: Recipe, spec: LaunchSpec) -> None:
     """Fails before starting anything when the launch tool the command needs is missing."""
     tool = spec.argv[0]
-    if tool in ("horovodrun", "mpirun") or tool.endswith("/horovodrun"):
+    if tool in ("horovodrun", "mpirun", "srun") or tool.endswith("/horovodrun"):
         if shutil.which(tool) is None:
-            hint = ("install Open MPI (apt-get install openmpi-bin) or use --backend gloo" if tool == "mpirun"
-                    else "Horovod is not installed: scripts/install.sh builds it where g++ and make are (it says "
-                         "what is missing); one rank needs none: --np 1")
+            hint = {"mpirun": "install Open MPI (apt-get install openmpi-bin) or use --backend gloo",
+                    "srun": "run lms-launch on a node of the job, where Slurm's commands are installed"}.get(
+                        tool, "Horovod is not installed: scripts/install.sh builds it where g++ and make are (it says "
+                              "what is missing); one rank needs none: --np 1")
             raise UsageError(f"distributed.backend={recipe.distributed.backend} needs '{tool}' on PATH; {hint}")
+    if tool == "srun":
+        from launcher.launch.rendezvous import rendezvous_address
+
+        rendezvous_address(recipe.distributed.network_interface)  # the ranks must reach it: fail now if they cannot
 
 
 def check_checkpoint_dir(recipe: Recipe, resume: bool) -> None:
@@ -226,6 +231,19 @@ def check_checkpoint_dir(recipe: Recipe, resume: bool) -> None:
         raise UsageError(str(err)) from None
 
 
+def with_slurm_job_hosts(recipe_path: str, recipe: Recipe, overrides: list[str]) -> Recipe:
+    """Inside a Slurm job with no hosts named, the job's hosts (and rank count) join `overrides` as --set
+    entries, so the resolved recipe and every rank see them; the line saying so is printed."""
+    from launcher.launch.slurm import job_overrides, np_on_command_line
+
+    from_job, line = job_overrides(recipe.distributed, np_on_command_line(overrides), os.environ)
+    if not from_job:
+        return recipe
+    overrides += from_job
+    print(line, flush=True)
+    return load_recipe(recipe_path, overrides)
+
+
 def find_horovodrun() -> str:
     """horovodrun from the interpreter's own environment, even when that venv is not on PATH."""
     beside = Path(sys.executable).parent / "horovodrun"
@@ -235,7 +253,7 @@ def find_horovodrun() -> str:
 def train_main(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     overrides = flag_overrides(args)
-    recipe = load_recipe(args.recipe, overrides)
+    recipe = with_slurm_job_hosts(args.recipe, load_recipe(args.recipe, overrides), overrides)
     hosts = resolve_hosts(recipe)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.recipe)
     worker = worker_argv(sys.executable, str(Path(args.recipe).resolve()), str(run_dir.resolve()), overrides)
@@ -262,6 +280,7 @@ def train_main(argv: list[str]) -> int:
     if spec.rank0_host in local_hosts:
         check_checkpoint_dir(recipe, args.resume)
 
+    from launcher.launch.rendezvous import served
     from launcher.launch.spawn import STOPPED_STATUSES, run_ranks
     from launcher.worker import METRICS_FILE, SUMMARY_FILE
 
@@ -276,8 +295,9 @@ def train_main(argv: list[str]) -> int:
         # still prints a line every interval, and those lines come through horovodrun or mpirun.
         print(f"lms-launch: rank 0 runs on {spec.rank0_host}, not on this host: no progress bar; rank 0's run "
               f"directory is copied here when the ranks finish", flush=True)
-    status = run_ranks(spec.argv, spec.env, run_dir / METRICS_FILE, recipe.train.steps,
-                       progress=recipe.logging.progress and not args.no_progress and rank0_here)
+    with served(spec, recipe.distributed) as launch_env:  # --backend srun: the rendezvous, while the ranks run
+        status = run_ranks(spec.argv, launch_env, run_dir / METRICS_FILE, recipe.train.steps,
+                           progress=recipe.logging.progress and not args.no_progress and rank0_here)
     if not rank0_here:
         fetched = fetch_results(recipe, spec.rank0_host, run_dir, after_failure=status != 0)
         if not fetched and status == 0:

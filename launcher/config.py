@@ -18,7 +18,7 @@ BATCH_NORMS = ("keras", "fused")  # how resnet50 trains batch norm (ModelConfig.
 DATA_SOURCES = ("synthetic", "tfrecord")
 OPTIMIZERS = ("sgd", "adam")
 PRECISIONS = ("float32", "mixed_float16")
-BACKENDS = ("gloo", "mpi")
+BACKENDS = ("gloo", "mpi", "srun")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -220,7 +220,8 @@ class DataConfig:
 
     source: str = "synthetic"
     """`synthetic`: random tensors made once on the device (no input bottleneck; for memory and speed
-    studies). `tfrecord`: files written by `lms-launch tfrecord` (schema in docs/data.md)."""
+    studies). `tfrecord`: files written by `lms-launch tfrecord` (schema in docs/data.md), or for
+    resnet50 ImageNet's usual JPEG records, as tensorflow/models' converters and TFDS write them."""
 
     path: str | None = None
     """tfrecord only: a file, a directory of `*.tfrecord` files, or a glob pattern."""
@@ -231,6 +232,19 @@ class DataConfig:
     prefetch: int = 2
     """Batches prepared ahead of the training step (0: none)."""
 
+    image_key: str | None = None
+    """JPEG image records only: the feature holding the encoded image. Empty: found from the first
+    record (`image/encoded` as tensorflow/models writes it, `image` as TFDS does)."""
+
+    label_key: str | None = None
+    """JPEG image records only: the feature holding the class (int64). Empty: found with the image
+    (`image/class/label`, or TFDS's `label`)."""
+
+    label_offset: int = 0
+    """JPEG image records only: subtracted from every stored class, so classes reach the model in
+    [0, model.classes). 1 for the records of tensorflow/models' build_imagenet_data.py, which counts
+    ImageNet's classes from 1 (0 was "background"); 0 for TFDS's and official/vision's."""
+
     def __post_init__(self) -> None:
         _one_of("source", self.source, DATA_SOURCES)
         if self.source == "tfrecord" and not self.path:
@@ -239,6 +253,17 @@ class DataConfig:
             raise SettingError("shuffle_buffer", f"must be >= 1; got {self.shuffle_buffer}")
         if self.prefetch < 0:
             raise SettingError("prefetch", f"must be >= 0; got {self.prefetch}")
+        if self.label_offset < 0:
+            raise SettingError("label_offset", f"must be >= 0 (it is subtracted from stored labels); "
+                                               f"got {self.label_offset}")
+        for key in ("image_key", "label_key"):
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise SettingError(key, "must be a feature name, or left out to find it from the records")
+
+    @property
+    def names_jpeg_features(self) -> bool:
+        """Whether a key that only JPEG image records use is set."""
+        return bool(self.image_key or self.label_key or self.label_offset)
 
 
 @dataclass
@@ -292,16 +317,21 @@ class DistributedConfig:
     """How many ranks, where, and how they talk."""
 
     np: int = 1
-    """Total ranks. 1 runs a single process without a Horovod launcher."""
+    """Total ranks. 1 runs a single process without a Horovod launcher. Inside a Slurm job whose hosts
+    the launch takes from the job, every slot of the job unless --np or --set distributed.np says
+    otherwise (a recipe's np is for machines of one's own)."""
 
     hosts: str | None = None
-    """`host:slots,host:slots` as for horovodrun -H. Empty: all ranks on this machine."""
+    """`host:slots,host:slots` as for horovodrun -H. Empty: all ranks on this machine, or inside a Slurm
+    job (sbatch, salloc) the job's nodes with its tasks per node as slots (docs/clusters.md)."""
 
     hostfile: str | None = None
     """A file with one `host slots=N` (or `host:N`) per line, as for horovodrun --hostfile."""
 
     backend: str = "gloo"
-    """`gloo` (horovodrun --gloo; needs nothing else) or `mpi` (mpirun; Horovod built with MPI)."""
+    """`gloo` (horovodrun --gloo; needs nothing else), `mpi` (mpirun; Horovod built with MPI), both
+    over ssh to other hosts, or `srun` (inside a Slurm job: srun starts the ranks as the tasks of a
+    job step and they meet at a Gloo rendezvous lms-launch serves; no ssh between nodes)."""
 
     network_interface: str | None = None
     """Network interface(s) the ranks talk over, e.g. `eth0` or `ib0,eth0` (horovodrun
@@ -407,6 +437,11 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        if self.data.names_jpeg_features and (self.model.name != "resnet50" or self.data.source != "tfrecord"):
+            key = next(k for k in ("image_key", "label_key", "label_offset") if getattr(self.data, k))
+            raise SettingError(f"data.{key}", f"applies to JPEG image records (model.name resnet50 with data.source "
+                                              f"tfrecord); remove it for model.name {self.model.name} with "
+                                              f"data.source {self.data.source}")
         if self.logging.skip_steps >= self.train.steps:
             raise SettingError(
                 "logging.skip_steps",

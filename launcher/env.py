@@ -32,11 +32,35 @@ HOROVOD_CPU_OPERATIONS = "HOROVOD_CPU_OPERATIONS"
 HOROVOD_GLOO_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 HOROVOD_GLOO_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
+# What Horovod's Gloo reads besides the rank identity: the interface its connections use (horovodrun
+# sets it from --network-interfaces; `--backend srun` too), and NCCL's, which horovodrun sets alike.
+HOROVOD_GLOO_IFACE = "HOROVOD_GLOO_IFACE"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+
 # Rank identity that Open MPI's mpirun gives each rank.
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
 OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_COMM_WORLD_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
 OMPI_COMM_WORLD_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
+
+# What Slurm sets inside an allocation (sbatch, salloc), read by the launcher (launcher/launch/slurm.py):
+# the job, its nodes (a compressed host list such as node[01-04]), its tasks per node (2(x3),1), whether
+# the job asked for a task count at all (SLURM_NTASKS is set only then) and its GPUs per node.
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+SLURM_NTASKS = "SLURM_NTASKS"
+SLURM_GPUS_PER_NODE = "SLURM_GPUS_PER_NODE"
+# What srun gives each task it starts: its index among the step's tasks, its index among the tasks on
+# its node, and the node's name as Slurm knows it.
+SLURM_PROCID = "SLURM_PROCID"
+SLURM_LOCALID = "SLURM_LOCALID"
+SLURMD_NODENAME = "SLURMD_NODENAME"
+# Read by srun with --distribution=arbitrary: a file naming the node of each task, one per line.
+SLURM_HOSTFILE = "SLURM_HOSTFILE"
+# Set by `--backend srun` for srun's tasks: each rank takes its Horovod identity from Slurm's
+# (launcher/launch/slurm.py), and meets the others at the launcher's Gloo rendezvous.
+LMS_LAUNCH_SRUN = "LMS_LAUNCH_SRUN"
 
 # Set by a GPU rank with LMS on before TensorFlow starts, unless the user set it (launcher/lms/host_memory.py):
 # TensorFlow's cap on the pinned host memory that swap-outs land in.

@@ -4,7 +4,8 @@ Started once per rank by `lms-launch` (directly for one rank, by horovodrun or m
 Each rank resolves the recipe itself; rank 0 alone writes to the run directory. A rank runs these
 phases in order, and any of them can end it with a `RankFailure` (a message and an exit status):
 
-1. before TensorFlow starts: its thread pools and, on a GPU with LMS, the pinned host memory cap;
+1. before TensorFlow starts: its Horovod identity when srun started it (from Slurm's), its thread
+   pools and, on a GPU with LMS, the pinned host memory cap;
 2. join the other ranks (Horovod, only when there are others) and pick its device;
 3. build the model, optimizer and step; resume from a checkpoint; take rank 0's weights;
 4. hand the step to LMS (launcher.lms.step), which rewrites and checks it;
@@ -64,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         print(f"lms-launch worker: {err}", file=sys.stderr)
         return USAGE_STATUS
+    if os.environ.get(ev.LMS_LAUNCH_SRUN):
+        from launcher.launch.slurm import SlurmError, srun_task_identity
+
+        try:  # before anything reads HOROVOD_* (the thread split, Horovod itself)
+            os.environ.update(srun_task_identity(os.environ, recipe.distributed))
+        except SlurmError as err:
+            print(f"lms-launch worker: {err}", file=sys.stderr)
+            return USAGE_STATUS
     prepare_process(recipe)
     rank = 0
     try:

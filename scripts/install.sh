@@ -34,9 +34,13 @@ declare -A purpose=(
   [openmpi-bin]="mpirun, for --backend mpi"
   [openssh-server]="an sshd per test host in tests/test_multihost.py (skipped without it)"
   [iproute2]="the network namespaces of tests/test_multihost.py"
+  [slurmctld]="tests/test_slurm.py's real Slurm (it starts its own daemons, with its own configuration, and stops them)"
+  [slurmd]="tests/test_slurm.py's real Slurm"
+  [slurm-client]="sbatch, srun and squeue for tests/test_slurm.py"
+  [munge]="Slurm's authentication, for tests/test_slurm.py"
 )
 apt_missing=()
-for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2; do
+for pkg in cmake g++ make libopenmpi-dev openmpi-bin openssh-server iproute2 slurmctld slurmd slurm-client munge; do
   dpkg -s "$pkg" >/dev/null 2>&1 || apt_missing+=("$pkg")
 done
 if ((${#apt_missing[@]})); then

@@ -190,6 +190,14 @@ def test_slots_fill_hosts_in_order_and_uneven_hosts_get_sensible_cross_ranks():
                      Slot(3, "b", 0, 1, 1, 2)]
 
 
+@pytest.mark.parametrize("backend, np_flag", [("gloo", ["--gloo", "-np", "3"]), ("mpi", ["-np", "3"])])
+def test_the_launch_command_is_given_only_the_slots_the_ranks_fill(backend, np_flag):
+    # horovodrun --gloo starts a rank in every slot of -H, whatever -np says (seen in a Slurm job of
+    # 3 tasks on 2 + 2 slots: 4 ranks started); the plan's 3 go to node1:2 and node2:1.
+    spec = launch(3, parse_hosts("node1:2,node2:2,node3:4"), backend=backend)
+    assert spec.argv[1:1 + len(np_flag) + 2] == [*np_flag, "-H", "node1:2,node2:1"]
+
+
 def test_fewer_ranks_than_slots_leave_the_last_host_unused():
     slots = assign_slots([("a", 2), ("b", 2)], 2)
     assert {s.host for s in slots} == {"a"} and slots[0].cross_size == 1

@@ -51,11 +51,13 @@ TARGETS = HERE / "targets"
 MiB = 1 << 20
 
 TENSORFLOW = "tensorflow[and-cuda]==2.18.1"
-# lms-launch's own runtime packages (pyproject.toml's dependencies), less two a one-rank GPU run does not
-# import: mpi4py (Horovod's MPI controller, several ranks only) and matplotlib (plots, imported on demand).
+# lms-launch's own runtime packages (pyproject.toml's dependencies), less three a one-rank GPU run does not
+# import: mpi4py (Horovod's MPI controller, several ranks only), matplotlib (plots, imported on demand) and
+# nibabel (BraTS conversion, done before training).
 LMS_RUNTIME = ("pyyaml>=6", "psutil>=5.9", "tqdm>=4.66", "nvidia-ml-py>=12")
 NOT_BUNDLED_FROM_PYPROJECT = {"mpi4py": "Horovod's MPI controller: several ranks only",
-                              "matplotlib": "plots only, imported on demand; the target may have its own"}
+                              "matplotlib": "plots only, imported on demand; the target may have its own",
+                              "nibabel": "lms-launch tfrecord --from-brats only: data is converted before training"}
 # 64 MiB per device-tool call, minus the repository's working tree (1.0 to 1.24 MiB on 2026-11-24) and
 # manifest.json (20 KiB), with room for the tree to grow.
 DEFAULT_PART_SIZE = 56 * MiB

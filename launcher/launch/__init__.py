@@ -1,1 +1,2 @@
-"""Starting the ranks: recipe -> command and environment, spawning them, copying results back, stopping them."""
+"""Starting the ranks: recipe -> command and environment (and a Slurm job's hosts, slurm.py), spawning
+them, serving what srun's ranks need (rendezvous.py), copying results back, stopping them."""

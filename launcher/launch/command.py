@@ -1,13 +1,16 @@
 """Pure functions: settings -> the command that starts the ranks, rank -> its environment.
 
 Nothing here starts a process or reads the environment, so `--dry-run` and the tests see exactly what
-`launcher.launch.spawn` will run. Three shapes of launch:
+`launcher.launch.spawn` will run. Four shapes of launch:
 
 - one rank on this machine: the worker runs directly, no Horovod launcher (hvd.init() gives size 1);
 - Gloo: `horovodrun --gloo -np N -H host:slots,...`, which starts the ranks (over ssh for other hosts),
   forwards the launcher's whole environment, and gives each rank its identity through HOROVOD_* variables;
 - MPI: `mpirun -np N -H host:slots,...` with `-x` for every variable the ranks need (mpirun forwards
-  nothing else).
+  nothing else);
+- srun, inside a Slurm job: `srun --ntasks=N ...` starts the ranks as the tasks of a job step, each of
+  which takes its identity from Slurm's and meets the others at the launcher's Gloo rendezvous
+  (launcher/launch/slurm.py).
 
 Which hosts are this machine is an input (`local_hosts`): the CLI finds out, these functions only use it.
 """
@@ -24,6 +27,7 @@ from launcher.launch.threads import thread_defaults
 LOCAL_HOST = "localhost"
 LOCAL_NAMES = frozenset({LOCAL_HOST, "127.0.0.1"})  # this machine, whatever else it is called
 RENDEZVOUS_PLACEHOLDER = "<chosen by horovodrun at start>"
+SERVED_PLACEHOLDER = "<chosen by lms-launch at start>"  # what --backend srun's launcher serves: launch/rendezvous.py
 REMOTE_THREADS_PLACEHOLDER = "<usable CPUs on {host} / {local_size}: set by the rank at start>"
 _HOST_SLOTS = re.compile(r"^([A-Za-z0-9_.\-\[\]:]+?):(\d+)$")
 
@@ -121,6 +125,14 @@ def assign_slots(hosts: list[tuple[str, int]], np: int) -> list[Slot]:
     return slots_out
 
 
+def hosts_in_use(slots: list[Slot]) -> list[tuple[str, int]]:
+    """The hosts that hold a rank, in order, each with the ranks it holds."""
+    counts: dict[str, int] = {}
+    for slot in slots:
+        counts[slot.host] = counts.get(slot.host, 0) + 1
+    return list(counts.items())
+
+
 def runs_without_launcher(np: int, slots: list[Slot], local_hosts: frozenset[str] = LOCAL_NAMES) -> bool:
     """The one place that decides the one-rank special case: a single rank on this machine needs no
     horovodrun or mpirun (hvd.init() then gives size 1). It looks at where the rank is placed, not at
@@ -181,7 +193,9 @@ def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: 
     `local_cpus` only fills in --dry-run's view of ranks on this machine."""
     slots = assign_slots(hosts, dist.np)
     added = launcher_env_defaults(user_env)
-    host_list = ",".join(f"{host}:{n}" for host, n in hosts)
+    # The slots the plan fills, not all that were offered: horovodrun --gloo starts a rank in every slot
+    # of -H whatever -np says (Horovod 0.28.1's gloo_run), so -np 3 -H a:2,b:2 would start 4.
+    host_list = ",".join(f"{host}:{count}" for host, count in hosts_in_use(slots))
     direct = runs_without_launcher(dist.np, slots, local_hosts)
 
     if direct:
@@ -197,6 +211,11 @@ def build_launch(dist: DistributedConfig, hosts: list[tuple[str, int]], worker: 
         if dist.start_timeout is not None:
             argv += ["--start-timeout", str(dist.start_timeout)]
         argv += worker  # horovodrun forwards the whole environment to every rank itself
+    elif dist.backend == "srun":
+        from launcher.launch.slurm import srun_argv
+
+        argv = srun_argv(dist.np) + worker  # the rest of what srun needs is in its environment (srun_environment)
+        added = {**added, **srun_environment(dist)}
     else:
         # --tag-output marks each line with its rank ([1,N]<stderr>:), as horovodrun does ([N]<stderr>:):
         # the launcher names a failed rank and shows its last lines from those marks (launcher/launch/spawn.py).
@@ -232,20 +251,12 @@ def rank_environment(slot: Slot, dist: DistributedConfig, added: Mapping[str, st
     env.update(threads)
     if direct:
         return env
-    if dist.backend == "gloo":
-        env.update({
-            ev.HOROVOD_HOSTNAME: slot.host,
-            ev.HOROVOD_RANK: str(slot.rank),
-            ev.HOROVOD_SIZE: str(dist.np),
-            ev.HOROVOD_LOCAL_RANK: str(slot.local_rank),
-            ev.HOROVOD_LOCAL_SIZE: str(slot.local_size),
-            ev.HOROVOD_CROSS_RANK: str(slot.cross_rank),
-            ev.HOROVOD_CROSS_SIZE: str(slot.cross_size),
-            ev.HOROVOD_CONTROLLER: "gloo",
-            ev.HOROVOD_CPU_OPERATIONS: "gloo",
-            ev.HOROVOD_GLOO_RENDEZVOUS_ADDR: RENDEZVOUS_PLACEHOLDER,
-            ev.HOROVOD_GLOO_RENDEZVOUS_PORT: RENDEZVOUS_PLACEHOLDER,
-        })
+    if dist.backend in ("gloo", "srun"):
+        env.update(horovod_identity(slot, dist.np))
+        if dist.backend == "gloo":
+            env.update({ev.HOROVOD_CONTROLLER: "gloo", ev.HOROVOD_CPU_OPERATIONS: "gloo",
+                        ev.HOROVOD_GLOO_RENDEZVOUS_ADDR: RENDEZVOUS_PLACEHOLDER,
+                        ev.HOROVOD_GLOO_RENDEZVOUS_PORT: RENDEZVOUS_PLACEHOLDER})
     else:
         env.update({
             ev.OMPI_COMM_WORLD_RANK: str(slot.rank),
@@ -253,4 +264,33 @@ def rank_environment(slot: Slot, dist: DistributedConfig, added: Mapping[str, st
             ev.OMPI_COMM_WORLD_LOCAL_RANK: str(slot.local_rank),
             ev.OMPI_COMM_WORLD_LOCAL_SIZE: str(slot.local_size),
         })
+    return env
+
+
+def horovod_identity(slot: Slot, np: int) -> dict[str, str]:
+    """The variables that tell a Gloo rank who it is, as horovodrun sets them (and as a rank started by
+    srun sets them for itself from Slurm's: launcher/launch/slurm.py)."""
+    return {
+        ev.HOROVOD_HOSTNAME: slot.host,
+        ev.HOROVOD_RANK: str(slot.rank),
+        ev.HOROVOD_SIZE: str(np),
+        ev.HOROVOD_LOCAL_RANK: str(slot.local_rank),
+        ev.HOROVOD_LOCAL_SIZE: str(slot.local_size),
+        ev.HOROVOD_CROSS_RANK: str(slot.cross_rank),
+        ev.HOROVOD_CROSS_SIZE: str(slot.cross_size),
+    }
+
+
+def srun_environment(dist: DistributedConfig) -> dict[str, str]:
+    """What --backend srun adds to the launcher's environment, which srun passes on to every task: Gloo
+    as Horovod's controller, where its rendezvous is and srun's host file (both known only once the
+    launcher serves them), the interface(s) to use, and the mark that makes each rank read its identity
+    from Slurm."""
+    env = {ev.HOROVOD_CONTROLLER: "gloo", ev.HOROVOD_CPU_OPERATIONS: "gloo",
+           ev.HOROVOD_GLOO_RENDEZVOUS_ADDR: SERVED_PLACEHOLDER, ev.HOROVOD_GLOO_RENDEZVOUS_PORT: SERVED_PLACEHOLDER,
+           ev.SLURM_HOSTFILE: SERVED_PLACEHOLDER, ev.LMS_LAUNCH_SRUN: "1"}
+    if dist.network_interface:
+        # As horovodrun sets them: Gloo takes one interface, NCCL the whole list.
+        env[ev.HOROVOD_GLOO_IFACE] = dist.network_interface.split(",")[0]
+        env[ev.NCCL_SOCKET_IFNAME] = dist.network_interface
     return env

@@ -3,14 +3,15 @@ a progress bar from rank 0's metrics.jsonl, and watches the ranks until they end
 
 What it does when things go wrong:
 
-- A rank fails (an error, or killed): horovodrun and mpirun end the other ranks themselves within
-  seconds. If a rank's process on this host is gone and the launch command is still running
-  `RANK_EXIT_GRACE_S` later (the others blocked in a collective that can never complete), the
-  launcher kills every process of the launch itself. Either way it prints which rank failed, how
+- A rank fails (an error, or killed): horovodrun, mpirun and srun (--kill-on-bad-exit) end the
+  other ranks themselves within seconds. If a rank's process on this host is gone and the launch
+  command is still running `RANK_EXIT_GRACE_S` later (the others blocked in a collective that can
+  never complete), the launcher kills every process of the launch itself. Either way it prints which rank failed, how
   (exit status or signal) and the last lines that rank printed, and returns `EXIT_RANK_FAILED`.
 - Ctrl-C or SIGTERM to the launcher: it passes the signal on to the rank processes on this host (to
   the launch command when it sees none), which makes every rank stop after the same step and rank 0
-  save a checkpoint (launcher/rank/stop.py). Ranks still running `STOP_GRACE_S` later, or after a second Ctrl-C
+  save a checkpoint (launcher/rank/stop.py); srun gets SIGTERM for either, since one SIGINT only makes
+  it print its tasks' states. Ranks still running `STOP_GRACE_S` later, or after a second Ctrl-C
   or SIGTERM, are killed. Returns 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
 
 The launch command runs in its own session, so a Ctrl-C on the terminal reaches the launcher alone
@@ -59,6 +60,14 @@ _HOROVODRUN_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 _MPIRUN_SIGNAL = re.compile(r"mpirun noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 _MPIRUN_PROCESS = re.compile(r"Process name:\s+\[\[\d+,\d+\],(\d+)\]")
 _MPIRUN_EXIT_CODE = re.compile(r"Exit code:\s+(-?\d+)")
+# srun --label marks each line with its task (`1: `, padded to the widest task number), and reports a
+# task that ended badly as `srun: error: node2: task 1: Killed` (the signal's description, strsignal's
+# words) or `...: tasks 0-1: Exited with exit code 3` (Slurm 22.05).
+_SRUN_LABEL = re.compile(r"^\s*(\d+): ")
+_SRUN_EXIT = re.compile(r"^srun: error: \S+: tasks? ([\d,\-]+): (.+)$")
+_SRUN_EXIT_CODE = re.compile(r"^Exited with exit code (\d+)$")
+_SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)")  # Slurm declared the node lost
+_SIGNAL_WORDS = {signal.strsignal(sig): int(sig) for sig in signal.Signals if signal.strsignal(sig)}
 _TRACEBACK = "Traceback (most recent call last):"
 # What a rank prints when it failed because another rank ended first (Horovod 0.28.1's words).
 _CONSEQUENCES = ("Horovod has been shut down",)
@@ -96,12 +105,14 @@ class RankOutput:
     of each rank, the ranks that the launch command reported as ended with a non-zero status, and
     the order in which ranks first showed trouble (a traceback, or that report)."""
 
-    def __init__(self, single_rank: bool):
+    def __init__(self, single_rank: bool, srun: bool = False):
         self.single_rank = single_rank  # the worker runs directly: every line is rank 0's
+        self.srun = srun  # srun marks rank lines its own way
         self.tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.exits: list[RankExit] = []
         self.trouble: list[int] = []  # ranks, in the order of their first traceback or bad exit
         self.raised: set[int] = set()
+        self.lost_nodes: list[str] = []  # nodes the launch command reported lost (srun)
         self._mpi_process: int | None = None
         self._lock = threading.Lock()
 
@@ -109,6 +120,9 @@ class RankOutput:
         with self._lock:
             if self.single_rank:
                 self._rank_line(0, line)
+                return
+            if self.srun and (label := _SRUN_LABEL.match(line)):
+                self._rank_line(int(label.group(1)), line[label.end():])
                 return
             tag = _RANK_TAG.match(line)
             if tag:
@@ -134,6 +148,11 @@ class RankOutput:
         elif (match := _MPIRUN_EXIT_CODE.search(line)) and self._mpi_process is not None:
             self.add_exit(RankExit(self._mpi_process, int(match.group(1))))
             self._mpi_process = None
+        elif match := _SRUN_EXIT.match(line):
+            for rank in _task_numbers(match.group(1)):
+                self.add_exit(_srun_exit(rank, match.group(2)))
+        elif match := _SRUN_NODE_FAILURE.match(line):
+            self.lost_nodes.append(match.group(1))
 
     def add_exit(self, rank_exit: RankExit) -> None:
         if rank_exit.status != 0 and all(e.rank != rank_exit.rank for e in self.exits):
@@ -161,6 +180,24 @@ class RankOutput:
     def tail(self, rank: int) -> list[str]:
         with self._lock:
             return list(self.tails.get(rank, ()))
+
+
+def _task_numbers(text: str) -> list[int]:
+    """srun's task list, `3` or `0-1,4`, as task numbers."""
+    numbers = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (not high or high.isdigit()):
+            numbers += range(int(low), int(high or low) + 1)
+    return numbers
+
+
+def _srun_exit(rank: int, how: str) -> RankExit:
+    """A task's end as srun words it: an exit code, or the signal's description (strsignal)."""
+    if match := _SRUN_EXIT_CODE.match(how):
+        return RankExit(rank, int(match.group(1)))
+    sig = _SIGNAL_WORDS.get(how)
+    return RankExit(rank, 128 + sig, sig) if sig else RankExit(rank, None)
 
 
 class RankProcesses:
@@ -323,7 +360,8 @@ def run_ranks(argv: list[str], env_additions: Mapping[str, str], metrics_path: P
     env = dict(os.environ)
     env.update(env_additions)
     single_rank = argv[1:3] == ["-m", WORKER_MODULE]
-    output = RankOutput(single_rank)
+    srun = Path(argv[0]).name == "srun"
+    output = RankOutput(single_rank, srun)
     process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
                                start_new_session=True, preexec_fn=_die_with_parent)
@@ -346,7 +384,7 @@ def run_ranks(argv: list[str], env_additions: Mapping[str, str], metrics_path: P
             bar.poll()
             if signals.received and stop_deadline is None:
                 stop_deadline = time.monotonic() + STOP_GRACE_S
-                _ask_ranks_to_stop(process, ranks, signals.received[0])
+                _ask_ranks_to_stop(process, ranks, signal.SIGTERM if srun else signals.received[0])
             elif stop_deadline is not None and (len(signals.received) > 1 or time.monotonic() > stop_deadline):
                 why = ("asked again" if len(signals.received) > 1
                        else f"still running {STOP_GRACE_S:.0f} s after the request to stop")
@@ -424,6 +462,9 @@ def _first_failure(output: RankOutput, ranks: RankProcesses, returncode: int) ->
 
 
 def _report(failure: RankExit, output: RankOutput, stopped_others: bool) -> None:
+    for node in output.lost_nodes:  # the cause; the ranks elsewhere failed because its ranks were gone
+        print(f"lms-launch: node {node} was lost (srun: Node failure on {node}); its ranks ended with it",
+              file=sys.stderr)
     if failure.rank < 0:
         print(f"lms-launch: a rank failed: the launch command exited with status {failure.status} "
               f"and named no rank", file=sys.stderr, flush=True)

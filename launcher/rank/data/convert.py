@@ -4,6 +4,7 @@
     lms-launch tfrecord --kind volumes --out DIR --from-npz data.npz      # arrays `volumes`, `masks`
     lms-launch tfrecord --kind images  --out DIR --synthetic 256 --shape 64,64,3 --classes 10
     lms-launch tfrecord --kind volumes --out DIR --synthetic 8 --shape 32,32,32,4 --labels 3
+    lms-launch tfrecord --kind volumes --out DIR --from-brats BRATS_DIR --shape 144,176,144   # NIfTI folders
     lms-launch tfrecord --kind sequences --out DIR --from-npz data.npz    # arrays `sources`, `targets`
     lms-launch tfrecord --kind sequences --out DIR --synthetic 1024 --shape 24,24 --vocabulary 1000
 
@@ -44,8 +45,13 @@ def parser() -> UsageParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-npz", metavar="FILE", type=Path, help="NumPy .npz with images+labels or volumes+masks")
     source.add_argument("--synthetic", type=int, metavar="N", help="N learnable synthetic samples")
+    source.add_argument("--from-brats", metavar="DIR", type=Path,
+                        help="volumes: a BraTS training folder of NIfTI files (<subject>_t1, _t1ce, _flair, _t2, _seg"
+                             ".nii.gz per subject), normalised per channel over the brain and cut to --shape D,H,W "
+                             "around it (launcher/rank/data/brats.py)")
     p.add_argument("--shape", help="with --synthetic: one sample's shape, e.g. 64,64,3 or 32,32,32,4; for "
-                                   "sequences the source and target lengths S,T (model.input_shape)")
+                                   "sequences the source and target lengths S,T (model.input_shape); with "
+                                   "--from-brats the window D,H,W cut around each brain, e.g. 144,176,144")
     p.add_argument("--classes", type=int, help="with --synthetic images: number of classes (default 10)")
     p.add_argument("--labels", type=int, help="with --synthetic volumes: binary label maps per voxel, nested "
                                               "like BraTS's tumour regions (default 3)")
@@ -190,22 +196,82 @@ def check_out(args: argparse.Namespace, samples: int) -> None:
                            f"old and new files: choose another --out or --prefix, or remove them")
 
 
-def report(paths: list[Path], kind: str, inputs: np.ndarray, labels: np.ndarray, out: Path) -> None:
-    counts = records_per_shard(len(inputs), len(paths))
+def report(paths: list[Path], kind: str, count: int, sample: str, out: Path, train_with: str = "") -> None:
+    counts = records_per_shard(count, len(paths))
     sizes = [path.stat().st_size for path in paths]
+    print(f"wrote {count} {kind} ({sample}) to {len(paths)} file(s), {sum(sizes):,} bytes:")
+    for path, records, size in zip(paths, counts, sizes):
+        print(f"  {path}  {records} records  {size:,} bytes")
+    print(f"train on them with: --set data.source=tfrecord --set data.path={out}{train_with}")
+
+
+def sample_text(kind: str, inputs: np.ndarray, labels: np.ndarray) -> str:
     if kind == "sequences":
-        sample = f"source up to {inputs.shape[1]} tokens, target up to {labels.shape[1]}"
-    else:
-        sample = str(list(inputs.shape[1:]))
-    print(f"wrote {len(inputs)} {kind} ({sample}) to {len(paths)} file(s), {sum(sizes):,} bytes:")
-    for path, count, size in zip(paths, counts, sizes):
-        print(f"  {path}  {count} records  {size:,} bytes")
-    print(f"train on them with: --set data.source=tfrecord --set data.path={out}")
+        return f"source up to {inputs.shape[1]} tokens, target up to {labels.shape[1]}"
+    return str(list(inputs.shape[1:]))
+
+
+def brats_shape(args: argparse.Namespace) -> list[int]:
+    """--shape for --from-brats: D,H,W (or D,H,W,4: BraTS has four channels)."""
+    from launcher.rank.data.brats import MODALITIES
+
+    given = [flag for flag, value in (("--classes", args.classes), ("--labels", args.labels),
+                                      ("--vocabulary", args.vocabulary), ("--seed", args.seed)) if value is not None]
+    if args.kind != "volumes" or given:
+        raise ConvertError(f"--from-brats writes --kind volumes with BraTS's 3 tumour regions; "
+                           f"{'drop ' + ', '.join(given) if given else f'not --kind {args.kind}'}")
+    if not args.shape:
+        raise ConvertError("--from-brats needs --shape D,H,W: the window cut around each brain, in the files' axis "
+                           "order (BraTS: 240 x 240 x 155), each a multiple of 2^(model.levels-1), e.g. "
+                           "144,176,144; each subject whose brain it cuts is reported")
+    try:
+        shape = [int(size) for size in args.shape.split(",")]
+    except ValueError:
+        shape = []
+    if len(shape) == 4 and shape[3] == len(MODALITIES):
+        shape = shape[:3]
+    if len(shape) != 3 or min(shape) < 1:
+        raise ConvertError(f"--shape {args.shape!r}: --from-brats takes D,H,W (positive; channels are BraTS's "
+                           f"{len(MODALITIES)}: {', '.join(MODALITIES)})")
+    return shape
+
+
+def convert_brats(args: argparse.Namespace) -> None:
+    """Writes the records of every subject of --from-brats and says what it wrote."""
+    from launcher.rank.data import brats
+    from launcher.rank.data.tfrecord import write_sample_stream
+
+    shape = brats_shape(args)
+    try:
+        subjects = brats.find_subjects(args.from_brats)
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
+    check_out(args, len(subjects))
+    window = " x ".join(map(str, shape))
+    print(f"converting {len(subjects)} BraTS subject(s) from {args.from_brats}: channels "
+          f"{', '.join(brats.MODALITIES)}, normalised over the brain, in a {window} window around it", flush=True)
+    try:
+        paths = write_sample_stream(args.out, "volumes", brats.samples(subjects, shape, _say), len(subjects),
+                                    args.shards, args.prefix)
+    except ValueError as err:  # a subject's files: nothing was written
+        raise ConvertError(f"{err}; nothing was written") from None
+    except OSError as err:
+        raise ConvertError(f"cannot write to --out {args.out}: {err}") from None
+    dims = ",".join(map(str, shape))
+    report(paths, "volumes", len(subjects), f"[{dims.replace(',', ', ')}, 4], 3 tumour regions", args.out,
+           train_with=f" --set model.input_shape=[{dims},4]")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
+        if args.from_brats:
+            convert_brats(args)
+            return 0
         inputs, labels = samples_from(args)
         check_out(args, len(inputs))
         try:
@@ -217,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_STATUS
     except SystemExit as done:  # --help
         return int(done.code or 0)
-    report(paths, args.kind, inputs, labels, args.out)
+    report(paths, args.kind, len(inputs), sample_text(args.kind, inputs, labels), args.out)
     return 0
 
 

@@ -15,18 +15,21 @@ input pipeline, not the model, the thing being measured):
               target    int64 list   the target sentence's token ids, no padding
 
 Files are named `<prefix>-00000-of-00004.tfrecord`; samples are dealt round-robin over the shards.
+The reader also takes ImageNet's usual JPEG records (launcher.rank.data.imagenet).
 docs/data.md is the user-facing version of this page.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from launcher.rank.data import imagenet
 from launcher.rank.data.sequences import (
     check_first_sentences, check_sentences, sentence_decoder, sentence_features,
 )
@@ -166,20 +169,32 @@ def write_records(out_dir: str | Path, kind: str, inputs: np.ndarray, labels: np
     write where shards with the same prefix exist: a reader of the directory would mix the two sets.
     """
     check_arrays(kind, inputs, labels)
+    return write_sample_stream(out_dir, kind, zip(inputs, labels), len(inputs), shards, prefix)
+
+
+def write_sample_stream(out_dir: str | Path, kind: str, samples, count: int, shards: int = 1,
+                        prefix: str = "data") -> list[Path]:
+    """`write_records` for `count` (sample, label) pairs made one at a time, as a converter reads them
+    from files too many to hold in memory at once; each is checked as it comes. Nothing is left when
+    the iterator raises: its error comes out as it is."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1; got {shards}")
-    if len(inputs) < shards:
-        raise ValueError(f"{len(inputs)} samples cannot fill {shards} shards; use fewer shards")
+    if count < shards:
+        raise ValueError(f"{count} samples cannot fill {shards} shards; use fewer shards")
     out_dir = Path(out_dir)
     clash = existing_shards(out_dir, prefix)
     if clash:
         raise FileExistsError(f"{out_dir} already holds {clash[0].name}; remove the old shards or use another prefix")
 
+    def checked(sample: np.ndarray, label: np.ndarray) -> bytes:
+        check_arrays(kind, sample[None], np.asarray(label)[None])
+        return _encode(kind, sample, label)
+
     created_dir = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / name for name in shard_names(prefix, shards)]
     try:
-        _write_atomically(paths, (_encode(kind, sample, label) for sample, label in zip(inputs, labels)))
+        _write_atomically(paths, (checked(sample, label) for sample, label in samples))
     except BaseException:
         if created_dir and not any(out_dir.iterdir()):
             out_dir.rmdir()
@@ -238,6 +253,9 @@ def _encode(kind: str, sample: np.ndarray, label: np.ndarray | np.integer) -> by
 # Reading
 
 
+_SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}$")  # train-00000-of-01024, as the sharded writers name files
+
+
 def find_files(path: str) -> list[str]:
     """A file, a directory (its `*.tfrecord` files) or a glob, sorted so every rank sees one order."""
     if os.path.isdir(path):
@@ -246,6 +264,14 @@ def find_files(path: str) -> list[str]:
         files = [name for name in glob.glob(path) if os.path.isfile(name)]
     else:
         files = [path] if os.path.isfile(path) else []
+    if not files and os.path.isdir(path):
+        # ImageNet's converters name shards train-00000-of-01024 or imagenet2012-train.tfrecord-00000-of-01024,
+        # beside the validation shards: which to train on is the user's to say.
+        sharded = sorted(name for name in os.listdir(path) if _SHARD_NAME.search(name))
+        if sharded:
+            raise FileNotFoundError(f"data.path: {path!r} holds no *.tfrecord files but shards such as {sharded[0]}: "
+                                    f"give a glob of those to train on, e.g. "
+                                    f"{os.path.join(path, _SHARD_NAME.sub('', sharded[0]))}-*")
     if not files:
         raise FileNotFoundError(f"data.path: no TFRecord files at {path!r} (a file, a directory of *.tfrecord, "
                                 f"or a glob); write some with `lms-launch tfrecord`")
@@ -258,13 +284,17 @@ def shards_by_file(files: int, size: int) -> bool:
 
 
 def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, batch_size: int, rank: int,
-                 size: int, seed: int, shuffle_buffer: int = 1024, prefetch: int = 2) -> "tf.data.Dataset":
+                 size: int, seed: int, shuffle_buffer: int = 1024, prefetch: int = 2, image_key: str | None = None,
+                 label_key: str | None = None, label_offset: int = 0) -> "tf.data.Dataset":
     """Batches `(x, y)` for one rank of `size`, forever: x float32 [batch, *input_shape] (images scaled
     to [0, 1], volumes as stored); y int32 [batch] for images, whose labels lie in [0, `classes`)
     (model.classes), or float32 0/1 [batch, D, H, W, `classes`] for volumes, whose masks hold
     `classes` binary label maps (model.labels). For sequences, input_shape is [S, T] and `classes`
     the vocabulary: x int32 [batch, S + T] (source, then the decoder's input), y int32 [batch, T]
-    (the target), both padded with 0 (launcher.rank.data.sequences).
+    (the target), both padded with 0 (launcher.rank.data.sequences). Images may also be ImageNet JPEG
+    records as tensorflow/models and TFDS write them (launcher.rank.data.imagenet: found from the
+    first record, or named by `image_key` and `label_key`; `label_offset` is subtracted from their
+    labels), decoded with a random crop and flip.
 
     Sharding: with at least `size` files, rank r reads files r, r+size, ... (no rank reads bytes it
     throws away) and shuffles their order every epoch; otherwise every rank reads all files in order
@@ -274,9 +304,9 @@ def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, bat
 
     Reads this rank's first record now, so the common mistakes fail here with a ValueError: no
     record for this rank, files of the other kind, a shape other than `input_shape`, a mask with
-    another number of label maps or with values other than 0 and 1. A later record with any of
-    these, or an image label outside [0, classes), stops iteration with InvalidArgumentError naming
-    the record's value and the recipe's.
+    another number of label maps or with values other than 0 and 1, a PNG among JPEG records. A later
+    record with any of these, or an image label outside [0, classes), stops iteration with
+    InvalidArgumentError naming the record's value and the recipe's.
     """
     import tensorflow as tf
 
@@ -286,17 +316,28 @@ def read_dataset(path: str, kind: str, input_shape: list[int], classes: int, bat
     files = find_files(path)
     rank_seed = seed + rank
     records = _records_of_rank(files, rank, size)
-    _check_first_record(records, schema, input_shape, classes, path, rank, size, len(files))
+    first = _first_record(records, path, rank, size, len(files))
+    jpeg = imagenet.jpeg_layout(first, image_key, label_key, label_offset, path) if kind == "images" else None
+    if jpeg is None:
+        if label_offset:
+            raise ValueError(f"data.label_offset: {label_offset} applies to ImageNet JPEG records; the records in "
+                             f"{path!r} are lms-launch's own, whose labels count from 0: leave it out")
+        _check_first_record(first, schema, input_shape, classes, path)
+    else:
+        imagenet.check_first_record(first, jpeg, input_shape, classes, path)
 
     if shards_by_file(len(files), size):
         records = _records_of_rank(files, rank, size, shuffle_files_seed=rank_seed)
     dataset = records.shuffle(shuffle_buffer, seed=rank_seed, reshuffle_each_iteration=True).repeat()
-    # Decoding whole batches is one op per feature per batch instead of per sample (tf.data guide,
-    # "vectorized mapping"); the serialized records are also what the shuffle buffer holds, which for
-    # images is a quarter of their float32 size.
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    dataset = dataset.map(_batch_decoder(schema, input_shape, classes), num_parallel_calls=tf.data.AUTOTUNE,
-                          deterministic=True)
+    if jpeg is not None:
+        dataset = imagenet.decode_and_augment(dataset, jpeg, input_shape, classes, batch_size, rank_seed)
+    else:
+        # Decoding whole batches is one op per feature per batch instead of per sample (tf.data guide,
+        # "vectorized mapping"); the serialized records are also what the shuffle buffer holds, which for
+        # images is a quarter of their float32 size.
+        dataset = dataset.batch(batch_size, drop_remainder=True)
+        dataset = dataset.map(_batch_decoder(schema, input_shape, classes),
+                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return dataset.prefetch(prefetch) if prefetch > 0 else dataset
 
 
@@ -319,20 +360,25 @@ def _records_of_rank(files: list[str], rank: int, size: int, shuffle_files_seed:
     return tf.data.TFRecordDataset(names, num_parallel_reads=tf.data.AUTOTUNE)
 
 
-def _check_first_record(records: "tf.data.Dataset", schema: RecordSchema, input_shape: list[int], classes: int,
-                        path: str, rank: int, size: int, files: int) -> None:
-    """ValueError for the mistakes that show in any one record, before training starts."""
+def _first_record(records: "tf.data.Dataset", path: str, rank: int, size: int, files: int):
+    """The features of this rank's first record (a `Features.feature` map); ValueError when it has none."""
     import tensorflow as tf
 
     first = next(iter(records.take(1)), None)
     if first is None:
         raise ValueError(f"data.path: rank {rank} of {size} gets no records from {path!r} ({files} file(s)); "
                          f"write at least {size} samples")
-    features = tf.train.Example.FromString(first.numpy()).features.feature
+    return tf.train.Example.FromString(first.numpy()).features.feature
+
+
+def _check_first_record(features, schema: RecordSchema, input_shape: list[int], classes: int, path: str) -> None:
+    """ValueError for the mistakes that show in any one record, before training starts."""
     missing = [key for key in schema.features if key not in features]
     if missing:
         others = [s.kind for s in SCHEMAS.values() if s is not schema and all(k in features for k in s.features)]
         guess = f"; they look like {others[0]}" if others else ""
+        if schema.kind == "images":
+            guess += f". Images may also be {imagenet.LAYOUTS_TEXT}"
         raise ValueError(f"data.path: records in {path!r} lack feature(s) {', '.join(missing)} that {schema.kind} "
                          f"need (they have: {', '.join(sorted(features))}){guess}")
     if schema.kind == "sequences":

@@ -81,7 +81,8 @@ class Task(abc.ABC):
         dataset = read_dataset(  # it offsets the shuffle seed by the rank itself
             data.path, kind=self.record_kind, input_shape=self.model_cfg.input_shape,
             classes=self.label_count, batch_size=batch_size, rank=rank, size=size, seed=seed,
-            shuffle_buffer=data.shuffle_buffer, prefetch=data.prefetch,
+            shuffle_buffer=data.shuffle_buffer, prefetch=data.prefetch, image_key=data.image_key,
+            label_key=data.label_key, label_offset=data.label_offset,
         )
         return iter(dataset)
 

@@ -254,23 +254,8 @@ def train_main(argv: list[str]) -> int:
     args = train_parser().parse_args(argv)
     overrides = flag_overrides(args)
     recipe = with_slurm_job_hosts(args.recipe, load_recipe(args.recipe, overrides), overrides)
-    hosts = resolve_hosts(recipe)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.recipe)
-    worker = worker_argv(sys.executable, str(Path(args.recipe).resolve()), str(run_dir.resolve()), overrides)
-    if args.resume:
-        if not recipe.checkpoint.dir:
-            raise UsageError("--resume needs checkpoint.dir: the folder the run to continue saved its checkpoints in "
-                             "(in the recipe, or --set checkpoint.dir=DIR)")
-        worker.append("--resume")
-    from launcher.launch.remote import local_host_names
-    from launcher.launch.threads import usable_cpus
-
-    local_hosts = local_host_names([host for host, _ in hosts])
-    spec = build_launch(recipe.distributed, hosts, worker, user_env=os.environ, local_cpus=usable_cpus(),
-                        local_hosts=local_hosts, as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
-    if spec.argv[0] == "horovodrun":
-        spec.argv[0] = find_horovodrun()
-
+    spec, local_hosts = launch_spec(args, recipe, overrides, run_dir)
     if args.dry_run:
         print_dry_run(recipe, spec)
         return 0
@@ -279,13 +264,36 @@ def train_main(argv: list[str]) -> int:
     check_backend(recipe, spec)
     if spec.rank0_host in local_hosts:
         check_checkpoint_dir(recipe, args.resume)
+    return launch(args, recipe, spec, run_dir, rank0_here=spec.rank0_host in local_hosts)
 
+
+def launch_spec(args: argparse.Namespace, recipe: Recipe, overrides: list[str], run_dir: Path):
+    """(the launch: command, environment, rank 0's host; this machine's names among the hosts)."""
+    from launcher.launch.remote import local_host_names
+    from launcher.launch.threads import usable_cpus
+
+    hosts = resolve_hosts(recipe)
+    worker = worker_argv(sys.executable, str(Path(args.recipe).resolve()), str(run_dir.resolve()), overrides)
+    if args.resume:
+        if not recipe.checkpoint.dir:
+            raise UsageError("--resume needs checkpoint.dir: the folder the run to continue saved its checkpoints in "
+                             "(in the recipe, or --set checkpoint.dir=DIR)")
+        worker.append("--resume")
+    local_hosts = local_host_names([host for host, _ in hosts])
+    spec = build_launch(recipe.distributed, hosts, worker, user_env=os.environ, local_cpus=usable_cpus(),
+                        local_hosts=local_hosts, as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+    if spec.argv[0] == "horovodrun":
+        spec.argv[0] = find_horovodrun()
+    return spec, local_hosts
+
+
+def launch(args: argparse.Namespace, recipe: Recipe, spec: LaunchSpec, run_dir: Path, rank0_here: bool) -> int:
+    """Starts the ranks, relays them until they end, brings rank 0's results here and says how it went."""
     from launcher.launch.rendezvous import served
-    from launcher.launch.spawn import STOPPED_STATUSES, run_ranks
-    from launcher.worker import METRICS_FILE, SUMMARY_FILE
+    from launcher.launch.spawn import run_ranks
+    from launcher.worker import METRICS_FILE
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    rank0_here = spec.rank0_host in local_hosts
     print(f"lms-launch: {recipe.model.name}, {recipe.distributed.np} rank(s) "
           f"({'no launcher' if spec.direct else recipe.distributed.backend}), "
           f"batch {recipe.train.batch_size}/rank, {recipe.train.steps} steps, LMS "
@@ -302,6 +310,15 @@ def train_main(argv: list[str]) -> int:
         fetched = fetch_results(recipe, spec.rank0_host, run_dir, after_failure=status != 0)
         if not fetched and status == 0:
             return 1
+    return report_end(status, run_dir)
+
+
+def report_end(status: int, run_dir: Path) -> int:
+    """The run's last lines (the summary table, or why there is none) and the launcher's exit status."""
+    from launcher.launch.spawn import STOPPED_STATUSES
+    from launcher.rank.metrics import format_summary_table
+    from launcher.worker import METRICS_FILE, SUMMARY_FILE
+
     summary_path = run_dir / SUMMARY_FILE
     if status in STOPPED_STATUSES:
         print(f"lms-launch: stopped (exit status {status}); partial results in {run_dir}", file=sys.stderr)
@@ -312,8 +329,6 @@ def train_main(argv: list[str]) -> int:
     if not summary_path.exists():
         print(f"lms-launch: ranks finished but {summary_path} was not written", file=sys.stderr)
         return 1
-    from launcher.rank.metrics import format_summary_table
-
     print(format_summary_table(json.loads(summary_path.read_text())))
     print(f"lms-launch: metrics in {run_dir / METRICS_FILE}, summary in {summary_path}")
     return 0

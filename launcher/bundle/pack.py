@@ -652,57 +652,15 @@ def build(opts: Options) -> Path:
     opts.out.mkdir(parents=True, exist_ok=True)
     sweep(opts.out, name)
     work = Path(tempfile.mkdtemp(prefix=f".work-{name}.pid{os.getpid()}.", dir=opts.out))
-    site = work / "site-packages"
-    tags = platform_tags(opts.machine, opts.glibc)
-    target_args = pip_target_args(opts.python, tags)
-    env = havemod.marker_environment(opts.python, opts.machine)
-    left_out = [lo for lo in LEAVE_OUT if opts.stubs or not lo.only_with_stubs]
     try:
         say(f"bundle {name}: {', '.join(opts.requirements)} for CPython {opts.python} on {opts.machine} "
             f"(glibc {opts.glibc}+), have-file: {opts.have.source}")
-        clock = Clock()
-        resolved = resolve(opts.pip_python, opts.requirements, target_args, work)
-        clock.record(opts.timings, "resolve")
-
-        decisions, left = havemod.decide(opts.requirements, resolved.candidates, opts.have, env,
-                                         {lo.name: lo.why for lo in left_out})
-        carried = [d for d in decisions if d.carry]
-        kept = [d for d in decisions if not d.carry]
-        say_decisions(carried, kept, left)
-
-        clock = Clock()
-        wheels = fetch([canonicalize_name(d.name) for d in carried], resolved, opts.cache, opts.pip_python, target_args)
-        wheel_bytes = sum(p.stat().st_size for p in wheels.values())
-        clock.record(opts.timings, "download")
-        say(f"wheels: {len(wheels)}, {format_bytes(wheel_bytes)}")
-
-        clock = Clock()
-        say(f"installing {len(wheels)} wheels into {site}")
-        run_pip(opts.pip_python, ["install", "--no-deps", "--no-index", "--no-compile", "--target", str(site)]
-                + target_args + [str(p) for p in wheels.values()])
-        installed = tree_size(site)
-        clock.record(opts.timings, "install")
-        say(f"installed: {format_bytes(installed)}")
-
-        clock = Clock()
-        removed, stubs, added = trim(site, opts, left_out)
-        trimmed = tree_size(site)
-        clock.record(opts.timings, "trim")
-        say(f"trimmed: {format_bytes(trimmed)} (removed {format_bytes(sum(r['bytes'] for r in removed))} of "
-            f"headers and scripts, {format_bytes(sum(s['replaced_bytes'] - s['bytes'] for s in stubs))} by stand-ins)")
-
-        info = {
-            "tensorflow": tf_version, "requirements": opts.requirements, "python": opts.python,
-            "machine": opts.machine, "glibc": opts.glibc, "platform_tags": tags, "have_file": opts.have.source,
-            "stubs": stubs, "removed": removed, "added": added, **package_records(carried, kept, left, wheels),
-            "sizes": {"wheels": wheel_bytes, "installed": installed, "trimmed": trimmed},
-            "compression": {"format": "xz", "preset": opts.preset, "chunk": opts.chunk},
-            "builder": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
-        }
-        final = write_bundle(site, opts.out, name, info, part_size=opts.part_size, chunk=opts.chunk,
+        info = install_tree(opts, work / "site-packages", work, tf_version)
+        final = write_bundle(work / "site-packages", opts.out, name, info, part_size=opts.part_size, chunk=opts.chunk,
                              preset=opts.preset, threads=opts.threads, timings=opts.timings)
-        say(f"  sizes: wheels {format_bytes(wheel_bytes)}, installed {format_bytes(installed)}, trimmed "
-            f"{format_bytes(trimmed)}")
+        sizes = info["sizes"]
+        say(f"  sizes: wheels {format_bytes(sizes['wheels'])}, installed {format_bytes(sizes['installed'])}, trimmed "
+            f"{format_bytes(sizes['trimmed'])}")
         say(f"  timings: {json.dumps(opts.timings)}")
         return final
     finally:
@@ -710,6 +668,52 @@ def build(opts: Options) -> Path:
             say(f"installed tree kept in {work}")
         elif work.exists():
             shutil.rmtree(work)
+
+
+def install_tree(opts: Options, site: Path, work: Path, tf_version: str) -> dict:
+    """Resolves, decides what to carry, downloads, installs into `site` and trims it; returns the
+    manifest's `info` (what was carried and why, the sizes, the phases' times in opts.timings)."""
+    tags = platform_tags(opts.machine, opts.glibc)
+    target_args = pip_target_args(opts.python, tags)
+    left_out = [lo for lo in LEAVE_OUT if opts.stubs or not lo.only_with_stubs]
+    clock = Clock()
+    resolved = resolve(opts.pip_python, opts.requirements, target_args, work)
+    clock.record(opts.timings, "resolve")
+    decisions, left = havemod.decide(opts.requirements, resolved.candidates, opts.have,
+                                     havemod.marker_environment(opts.python, opts.machine),
+                                     {lo.name: lo.why for lo in left_out})
+    carried = [d for d in decisions if d.carry]
+    kept = [d for d in decisions if not d.carry]
+    say_decisions(carried, kept, left)
+
+    clock = Clock()
+    wheels = fetch([canonicalize_name(d.name) for d in carried], resolved, opts.cache, opts.pip_python, target_args)
+    wheel_bytes = sum(p.stat().st_size for p in wheels.values())
+    clock.record(opts.timings, "download")
+    say(f"wheels: {len(wheels)}, {format_bytes(wheel_bytes)}")
+
+    clock = Clock()
+    say(f"installing {len(wheels)} wheels into {site}")
+    run_pip(opts.pip_python, ["install", "--no-deps", "--no-index", "--no-compile", "--target", str(site)]
+            + target_args + [str(p) for p in wheels.values()])
+    installed = tree_size(site)
+    clock.record(opts.timings, "install")
+    say(f"installed: {format_bytes(installed)}")
+
+    clock = Clock()
+    removed, stubs, added = trim(site, opts, left_out)
+    trimmed = tree_size(site)
+    clock.record(opts.timings, "trim")
+    say(f"trimmed: {format_bytes(trimmed)} (removed {format_bytes(sum(r['bytes'] for r in removed))} of "
+        f"headers and scripts, {format_bytes(sum(s['replaced_bytes'] - s['bytes'] for s in stubs))} by stand-ins)")
+    return {
+        "tensorflow": tf_version, "requirements": opts.requirements, "python": opts.python,
+        "machine": opts.machine, "glibc": opts.glibc, "platform_tags": tags, "have_file": opts.have.source,
+        "stubs": stubs, "removed": removed, "added": added, **package_records(carried, kept, left, wheels),
+        "sizes": {"wheels": wheel_bytes, "installed": installed, "trimmed": trimmed},
+        "compression": {"format": "xz", "preset": opts.preset, "chunk": opts.chunk},
+        "builder": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()},
+    }
 
 
 def resplit_main(argv: list[str]) -> int:

@@ -485,60 +485,80 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    if args.check_only:
-        if args.into is None:
-            raise UnpackError("--check-only needs --into DIR (an unpacked bundle)")
-        into = args.into.resolve()
-        if read_marker(into) is None:
-            raise UnpackError(f"{into} holds no unpacked bundle: run unpack.py PARTS_DIR --into {into} first")
-        manifest = bm.Manifest.from_json((into / "bundle-manifest.json").read_text())
-        folder = Path(args.parts_dir) if args.parts_dir else None
-    else:
-        if args.parts_dir is None:
-            raise UnpackError("name the folder holding manifest.json and the parts: unpack.py PARTS_DIR --into DIR")
-        if args.into is None and not args.verify_only:
-            raise UnpackError("name where to unpack: --into DIR (or check the parts only: --verify-only)")
-        folder = args.parts_dir
-        manifest = bm.load(folder)
-        say(f"bundle {manifest.name} (made {manifest.created}), parts in {folder}")
-        t0 = time.perf_counter()
-        checks = bm.verify(folder, manifest, threads=args.threads)
-        for v in checks:
-            for line in v.lines():
-                say(line)
-        known = {p.name for s in manifest.sets for p in s.parts}
-        for path in sorted(Path(folder).glob("*.part")):
-            if path.name not in known:
-                say(f"  not in this manifest (another build?): {path.name}")
-        say(f"parts checked in {time.perf_counter() - t0:.1f} s")
-        bad = [name for v in checks for name, _ in v.bad]
-        if args.verify_only:
-            base = next(v for v in checks if v.set == "base")
-            say(f"base set complete: {'yes' if base.complete else 'no'}")
-            if bad:
-                raise UnpackError(f"refused: {', '.join(bad)}: copy these again")
-            return EXIT_OK
-        base = next(v for v in checks if v.set == "base")
-        if not base.complete:
-            wrong = set(base.missing) | {n for n, _ in base.bad}
-            names = [p.name for p in manifest.set("base").parts if p.name in wrong]
-            raise UnpackError(f"the base set is incomplete; refused or missing: {', '.join(names)}. "
-                              f"Nothing was unpacked. Copy these parts into {folder} and run again")
-        into = args.into.resolve()
-        unpack_base(folder, manifest, into, args.threads)
+    located = _check_only(args) if args.check_only else _verified_and_unpacked(args)
+    if isinstance(located, int):
+        return located  # --verify-only: the parts were all this run was for
+    manifest, folder, into = located
     attempts = _cudnn_choice(args.cudnn, manifest, into)
     if args.no_check:
-        kind, cudnn_dir, which = attempts[0]
-        if kind == "bundled":
-            problem = _cudnn_set_problem(folder, manifest, into)
-            if problem:
-                raise UnpackError(f"--cudnn {args.cudnn}: {problem}")
-            unpack_cudnn(folder, manifest, into, args.threads)
-        drop = tuple(cudnn_dirs_in(os.environ.get(LD_LIBRARY_PATH, ""))) if kind == "bundled" else ()
-        (into / ENV_FILE).write_text(env_script(into, cudnn_dir, which, drop))
-        say(f"unpacked; no check run. To use it: source {into / ENV_FILE}")
-        return EXIT_OK
+        return _env_without_check(args, manifest, folder, into, attempts[0])
+    return _checked(args, manifest, folder, into, attempts)
 
+
+def _check_only(args):
+    """(manifest, parts folder or None, unpacked folder) of a bundle unpacked before."""
+    if args.into is None:
+        raise UnpackError("--check-only needs --into DIR (an unpacked bundle)")
+    into = args.into.resolve()
+    if read_marker(into) is None:
+        raise UnpackError(f"{into} holds no unpacked bundle: run unpack.py PARTS_DIR --into {into} first")
+    manifest = bm.Manifest.from_json((into / "bundle-manifest.json").read_text())
+    return manifest, Path(args.parts_dir) if args.parts_dir else None, into
+
+
+def _verified_and_unpacked(args):
+    """Checks every part against the manifest; unless --verify-only, unpacks the base set. Returns
+    (manifest, parts folder, unpacked folder), or the exit status of a --verify-only run."""
+    if args.parts_dir is None:
+        raise UnpackError("name the folder holding manifest.json and the parts: unpack.py PARTS_DIR --into DIR")
+    if args.into is None and not args.verify_only:
+        raise UnpackError("name where to unpack: --into DIR (or check the parts only: --verify-only)")
+    folder = args.parts_dir
+    manifest = bm.load(folder)
+    say(f"bundle {manifest.name} (made {manifest.created}), parts in {folder}")
+    t0 = time.perf_counter()
+    checks = bm.verify(folder, manifest, threads=args.threads)
+    for v in checks:
+        for line in v.lines():
+            say(line)
+    known = {p.name for s in manifest.sets for p in s.parts}
+    for path in sorted(Path(folder).glob("*.part")):
+        if path.name not in known:
+            say(f"  not in this manifest (another build?): {path.name}")
+    say(f"parts checked in {time.perf_counter() - t0:.1f} s")
+    bad = [name for v in checks for name, _ in v.bad]
+    base = next(v for v in checks if v.set == "base")
+    if args.verify_only:
+        say(f"base set complete: {'yes' if base.complete else 'no'}")
+        if bad:
+            raise UnpackError(f"refused: {', '.join(bad)}: copy these again")
+        return EXIT_OK
+    if not base.complete:
+        wrong = set(base.missing) | {n for n, _ in base.bad}
+        names = [p.name for p in manifest.set("base").parts if p.name in wrong]
+        raise UnpackError(f"the base set is incomplete; refused or missing: {', '.join(names)}. "
+                          f"Nothing was unpacked. Copy these parts into {folder} and run again")
+    into = args.into.resolve()
+    unpack_base(folder, manifest, into, args.threads)
+    return manifest, folder, into
+
+
+def _env_without_check(args, manifest, folder, into: Path, attempt) -> int:
+    """--no-check: the first cuDNN choice taken as it is, env.sh written, nothing run."""
+    kind, cudnn_dir, which = attempt
+    if kind == "bundled":
+        problem = _cudnn_set_problem(folder, manifest, into)
+        if problem:
+            raise UnpackError(f"--cudnn {args.cudnn}: {problem}")
+        unpack_cudnn(folder, manifest, into, args.threads)
+    drop = tuple(cudnn_dirs_in(os.environ.get(LD_LIBRARY_PATH, ""))) if kind == "bundled" else ()
+    (into / ENV_FILE).write_text(env_script(into, cudnn_dir, which, drop))
+    say(f"unpacked; no check run. To use it: source {into / ENV_FILE}")
+    return EXIT_OK
+
+
+def _checked(args, manifest, folder, into: Path, attempts) -> int:
+    """Runs the GPU check with each cuDNN choice in turn until TensorFlow works with one."""
     result, which = None, "none"
     for i, (kind, cudnn_dir, which) in enumerate(attempts):
         if kind == "bundled":

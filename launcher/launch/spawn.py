@@ -376,37 +376,50 @@ def run_ranks(argv: list[str], env_additions: Mapping[str, str], metrics_path: P
     relay = threading.Thread(target=relay_output, daemon=True)
     relay.start()
     ranks = RankProcesses(process, single_rank)
-    stop_deadline = None
-    killed_after_rank_exit: int | None = None
     with _Signals() as signals:
-        while process.poll() is None:
-            ranks.scan()
-            bar.poll()
-            if signals.received and stop_deadline is None:
-                stop_deadline = time.monotonic() + STOP_GRACE_S
-                _ask_ranks_to_stop(process, ranks, signal.SIGTERM if srun else signals.received[0])
-            elif stop_deadline is not None and (len(signals.received) > 1 or time.monotonic() > stop_deadline):
-                why = ("asked again" if len(signals.received) > 1
-                       else f"still running {STOP_GRACE_S:.0f} s after the request to stop")
-                print(f"lms-launch: killing the ranks ({why})", file=sys.stderr, flush=True)
-                kill_all(process, ranks)
-                break
-            elif (stop_deadline is None and (first := ranks.first_gone())
-                  and time.monotonic() - first[1] > RANK_EXIT_GRACE_S):
-                killed_after_rank_exit = first[0]
-                kill_all(process, ranks)
-                break
-            time.sleep(POLL_S)
-        process.wait()
-        leftovers = ranks.alive()  # a rank the launch command left behind: no process outlives the launch
-        if leftovers:
-            kill_all(process, ranks)
+        killed_after_rank_exit = _watch(process, ranks, bar, signals, srun)
     relay.join(timeout=5)
     bar.poll()
     bar.close()
-
     if single_rank and process.returncode != 0:
         output.add_exit(RankExit(0, _shell_status(process.returncode)))
+    return _outcome(process, ranks, output, signals, killed_after_rank_exit)
+
+
+def _watch(process: subprocess.Popen, ranks: "RankProcesses", bar: "ProgressBar", signals: "_Signals",
+           srun: bool) -> int | None:
+    """Watches the ranks until the launch command ends: a stop asked for is passed on (and the ranks
+    killed when they overstay it or it is asked again), and a rank that died takes the others with it
+    after RANK_EXIT_GRACE_S. Returns that rank, when that is how it ended."""
+    stop_deadline = None
+    killed_after_rank_exit: int | None = None
+    while process.poll() is None:
+        ranks.scan()
+        bar.poll()
+        if signals.received and stop_deadline is None:
+            stop_deadline = time.monotonic() + STOP_GRACE_S
+            _ask_ranks_to_stop(process, ranks, signal.SIGTERM if srun else signals.received[0])
+        elif stop_deadline is not None and (len(signals.received) > 1 or time.monotonic() > stop_deadline):
+            why = ("asked again" if len(signals.received) > 1
+                   else f"still running {STOP_GRACE_S:.0f} s after the request to stop")
+            print(f"lms-launch: killing the ranks ({why})", file=sys.stderr, flush=True)
+            kill_all(process, ranks)
+            break
+        elif (stop_deadline is None and (first := ranks.first_gone())
+              and time.monotonic() - first[1] > RANK_EXIT_GRACE_S):
+            killed_after_rank_exit = first[0]
+            kill_all(process, ranks)
+            break
+        time.sleep(POLL_S)
+    process.wait()
+    if ranks.alive():  # a rank the launch command left behind: no process outlives the launch
+        kill_all(process, ranks)
+    return killed_after_rank_exit
+
+
+def _outcome(process: subprocess.Popen, ranks: "RankProcesses", output: "RankOutput", signals: "_Signals",
+             killed_after_rank_exit: int | None) -> int:
+    """The launcher's exit status, with the failure named where a rank failed."""
     if process.returncode == 0 and killed_after_rank_exit is None:
         return 0  # every rank finished (a stop asked for after training had no step left to stop at)
     if signals.received:

@@ -129,54 +129,16 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
     and handed to `on_interval`, which gathers the ranks' records (a collective: every rank calls it
     the same number of times). After each step the ranks agree whether to stop (`stop`) and save a
     checkpoint when it is due or they stop (`checkpointer`); both are collectives too."""
-    train_cfg, log_cfg = recipe.train, recipe.logging
-    batch = train_cfg.batch_size
-    voxels = task.voxels_per_sample()
-    memory = DeviceMemoryMonitor(ctx.device)
-    records: list[IntervalRecord] = []
-    initial_loss = final_loss = float("nan")
+    train_cfg = recipe.train
+    intervals = _Intervals(recipe, ctx, task, optimizer, on_interval)
     # A resumed rank reads on from where its input was at the checkpoint: the batches of the steps
     # already trained are drawn and dropped (nothing to do for synthetic data, which repeats one batch).
     for _ in range(start_step):
         next(batches)
-    interval_start = time.perf_counter()
-    interval_steps = 0
-    interval_tokens = None  # real target tokens of the interval's steps (sequence tasks), on the device
-
     for step_number in range(start_step + 1, train_cfg.steps + 1):
-        done = step_number - start_step
         inputs, labels = next(batches)
         loss = step(inputs, labels)
-        interval_steps += 1
-        tokens = task.target_tokens(labels)
-        if tokens is not None:
-            interval_tokens = tokens if interval_tokens is None else interval_tokens + tokens
-        if done == 1:
-            initial_loss = float(loss)
-        measuring_starts = done == log_cfg.skip_steps
-        interval_ends = done > log_cfg.skip_steps and (
-            (done - log_cfg.skip_steps) % log_cfg.interval == 0 or step_number == train_cfg.steps)
-        if measuring_starts or interval_ends:
-            final_loss = float(loss)  # fetching the loss waits for the device: the interval ends here
-            now = time.perf_counter()
-            if interval_ends:
-                elapsed = now - interval_start
-                rate = batch * interval_steps / elapsed
-                record = IntervalRecord(
-                    rank=ctx.rank, host=ctx.host, device=ctx.device, step=step_number,
-                    steps=interval_steps, step_time_s=elapsed / interval_steps, samples_per_sec=rate,
-                    voxels_per_sec=rate * voxels if voxels else None,
-                    peak_memory_bytes=memory.peak_bytes(), host_rss_bytes=host_rss_bytes(),
-                    loss=final_loss, learning_rate=float(current_learning_rate(optimizer)),
-                    end_time_s=time.time(),
-                    tokens_per_sec=None if interval_tokens is None else int(interval_tokens) / elapsed,
-                )
-                records.append(record)
-                on_interval([record])
-            memory.reset()
-            interval_start = time.perf_counter()
-            interval_steps = 0
-            interval_tokens = None
+        intervals.after_step(step_number, step_number - start_step, loss, task.target_tokens(labels))
         stopping = stop is not None and stop.agreed()
         if checkpointer is not None and (checkpointer.due(step_number, last_step=step_number == train_cfg.steps)
                                          or (stopping and checkpointer.enabled)):
@@ -184,12 +146,62 @@ def train(step: Callable, batches, recipe: Recipe, ctx: RankContext, task: Task,
         if stopping:
             stop.close()
             barrier(ctx)  # no rank leaves (and makes horovodrun end the others) while rank 0 still writes
-            return TrainResult(records, initial_loss, float(loss), step_number, stop.signal_name, stop.exit_status,
-                               saved(checkpointer))
+            return TrainResult(intervals.records, intervals.initial_loss, float(loss), step_number, stop.signal_name,
+                               stop.exit_status, saved(checkpointer))
     final_loss = float(loss)
     if stop is not None:
         stop.close()
-    return TrainResult(records, initial_loss, final_loss, train_cfg.steps, last_checkpoint=saved(checkpointer))
+    return TrainResult(intervals.records, intervals.initial_loss, final_loss, train_cfg.steps,
+                       last_checkpoint=saved(checkpointer))
+
+
+class _Intervals:
+    """The measured intervals of a rank's training: from the end of the first `logging.skip_steps`
+    steps, one record every `logging.interval` steps and at the last, each handed to `on_interval`."""
+
+    def __init__(self, recipe: Recipe, ctx: RankContext, task: Task, optimizer, on_interval: Callable):
+        self.recipe, self.ctx, self.optimizer, self.on_interval = recipe, ctx, optimizer, on_interval
+        self.voxels = task.voxels_per_sample()
+        self.memory = DeviceMemoryMonitor(ctx.device)
+        self.records: list[IntervalRecord] = []
+        self.initial_loss = float("nan")
+        self._restart()
+
+    def _restart(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.tokens = None  # real target tokens of the interval's steps (sequence tasks), on the device
+
+    def after_step(self, step_number: int, done: int, loss, tokens) -> None:
+        """`done`: steps this process has run, this one included."""
+        self.steps += 1
+        if tokens is not None:
+            self.tokens = tokens if self.tokens is None else self.tokens + tokens
+        if done == 1:
+            self.initial_loss = float(loss)
+        log_cfg = self.recipe.logging
+        measuring_starts = done == log_cfg.skip_steps
+        interval_ends = done > log_cfg.skip_steps and (
+            (done - log_cfg.skip_steps) % log_cfg.interval == 0 or step_number == self.recipe.train.steps)
+        if not (measuring_starts or interval_ends):
+            return
+        loss_value = float(loss)  # fetching the loss waits for the device: the interval ends here
+        if interval_ends:
+            record = self._record(step_number, loss_value, time.perf_counter() - self.started)
+            self.records.append(record)
+            self.on_interval([record])
+        self.memory.reset()
+        self._restart()
+
+    def _record(self, step_number: int, loss: float, elapsed: float) -> IntervalRecord:
+        ctx, rate = self.ctx, self.recipe.train.batch_size * self.steps / elapsed
+        return IntervalRecord(
+            rank=ctx.rank, host=ctx.host, device=ctx.device, step=step_number, steps=self.steps,
+            step_time_s=elapsed / self.steps, samples_per_sec=rate,
+            voxels_per_sec=rate * self.voxels if self.voxels else None,
+            peak_memory_bytes=self.memory.peak_bytes(), host_rss_bytes=host_rss_bytes(), loss=loss,
+            learning_rate=float(current_learning_rate(self.optimizer)), end_time_s=time.time(),
+            tokens_per_sec=None if self.tokens is None else int(self.tokens) / elapsed)
 
 
 def saved(checkpointer: "Checkpointer | None") -> Path | None:

@@ -147,8 +147,10 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
             text = f"{chosen.text}; chosen over {other.label()}: step {other.simulation.step_time_s * 1000:.0f} ms, " \
                    f"peak {format_bytes(other.simulation.peak_device_bytes)}"
         plan = dataclasses.replace(chosen.plan, recomputes=list(chosen.base.recomputes))
+        # The bound is the swaps' alone (lms_core.access_order.lower_bound_s): a plan that recomputes is not under it.
         report = PlanReport(plan, PlannedFor(target.link, target.device, cost_model),
-                            prediction(chosen.simulation, unlimited, bound_s), tuning=text, warnings=chosen.warnings)
+                            prediction(chosen.simulation, unlimited, 0.0 if plan.recomputes else bound_s),
+                            tuning=text, warnings=chosen.warnings)
         base = chosen.base
         planning = Planning(base.graph, report, chosen.tuning, chosen.simulation, base.costs, traced,
                             chosen.access_order)

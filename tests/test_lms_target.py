@@ -25,6 +25,10 @@ GPU = GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", memory_bytes=80 << 30, link
     # A named link beats NVML; without a GPU to time, measure_link says why it was not used.
     ({"link": "c2c", "measure_link": True}, 0, None, None, "c2c", "needs a GPU to time copies"),
     ({"link": "c2c"}, 0, GPU, None, "c2c", "c2c"),
+    # By default a GPU rank times its link where the recipe says auto, not over a link it names.
+    ({"link": "auto"}, 0, GPU, MEASURED, "measured", "measured"),
+    ({"link": "c2c"}, 0, GPU, MEASURED, "c2c", "c2c"),
+    ({"link": "auto", "measure_link": False}, 0, GPU, MEASURED, "pcie4x16", "(detected)"),
     # auto: what NVML reports, else the fallback, saying which and why.
     ({"link": "auto"}, 0, GPU, None, "pcie4x16", "(detected)"),
     ({"link": "auto", "link_fallback": "pcie5"}, 0, None, None, "pcie5", "no GPU, so the recipe's lms.link_fallback"),

@@ -2,8 +2,9 @@
 host memory it may use. Each choice comes with a line saying where it came from, for the rank's log.
 
 The link is chosen here and nowhere else, in this order: `lms.rank_links` (the rank's own entry),
-then on a GPU with `lms.measure_link` the rates timed at start-up, then `lms.link` when it names a
-link, then (for `auto`) what NVML reports for the rank's GPU, and last `lms.link_fallback`.
+then on a GPU the rates timed at start-up (`lms.measure_link`: by default where `lms.link` is
+`auto`), then `lms.link` when it names a link, then (for `auto`) what NVML reports for the rank's
+GPU, and last `lms.link_fallback`.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def choose_link(lms: LMSConfig, rank: int, gpu: GpuInfo | None,
     if lms.rank_link_rates:
         link = lms.rank_link_rates[rank % len(lms.rank_link_rates)]
         return link, f"link (lms.rank_links) {link.describe()}"
-    if lms.measure_link and measure is not None:
+    measuring = lms.measure_link is True or (lms.measure_link == "auto" and lms.link_rates is None)
+    if measuring and measure is not None:
         link = measure()
         return link, f"link {link.describe()}"
-    note = " (lms.measure_link needs a GPU to time copies on; this rank has none)" if lms.measure_link else ""
+    note = " (lms.measure_link needs a GPU to time copies on; this rank has none)" if lms.measure_link is True else ""
     if lms.link_rates is not None:
         return lms.link_rates, f"link {lms.link_rates.describe()}{note}"
     if gpu is not None and gpu.link is not None:

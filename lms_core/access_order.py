@@ -253,12 +253,41 @@ def schedule_floor(schedule: Schedule, candidates: list[Candidate]) -> int:
     no plan of these candidates peaks lower while the step keeps this order (a replay whose ops wait
     for copies runs in another, and can: plan_access_order plans for both). It counts, as the
     simulator does, an op's new buffers with those its predecessor frees at the same instant."""
+    return floor_and_moment(schedule, candidates)[0]
+
+
+def floor_and_moment(schedule: Schedule, candidates: list[Candidate]) -> tuple[int, float]:
+    """`schedule_floor`, and the moment of the schedule it is reached (the first, where several)."""
     usage = list(schedule.usage)
     for candidate in candidates:
-        starts = [candidate.near_done_at] + [r.done_at for r in candidate.returns[:-1]]
-        windows = [Window(start, r.needed_at) for start, r in zip(starts, candidate.returns) if start < r.needed_at]
-        _apply(schedule.times, usage, windows, -candidate.nbytes)
-    return max(usage, default=0)
+        _apply(schedule.times, usage, _off_windows(candidate), -candidate.nbytes)
+    if not usage:
+        return 0, 0.0
+    floor = max(usage)
+    return floor, schedule.times[usage.index(floor)]
+
+
+def held_at_floor(result: SimulationResult, schedule: Schedule, candidates: list[Candidate]
+                  ) -> tuple[int, frozenset[str]]:
+    """`schedule_floor`, and the buffers it counts at its moment: those of `result` (the unswapped
+    replay `schedule` was made from, with its memory events) allocated by then and not yet released
+    before it, less the candidates off the device then."""
+    floor, moment = floor_and_moment(schedule, candidates)
+    allocated, released = set(), set()
+    for event in result.memory_events or ():
+        if event.time < moment or (event.time == moment and event.nbytes > 0):
+            allocated.add(event.buffer)
+        if event.nbytes < 0 and event.time < moment:
+            released.add(event.buffer)
+    off = {c.tensor for c in candidates if any(w.covers(moment) for w in _off_windows(c))}
+    return floor, frozenset(allocated - released - off)
+
+
+def _off_windows(candidate: Candidate) -> list[Window]:
+    """When `candidate` could be off the device: from its last near read (or the end of a copy back's
+    last reader) to the first reader of each copy back."""
+    starts = [candidate.near_done_at] + [r.done_at for r in candidate.returns[:-1]]
+    return [Window(start, r.needed_at) for start, r in zip(starts, candidate.returns) if start < r.needed_at]
 
 
 def _paced(graph: Graph, config: LMSConfig, schedule: Schedule, chosen: list[Candidate], waits: dict[str, float],

@@ -17,18 +17,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lms_core.access_order import AccessOrderResult, Schedule, lower_bound_s, plan_access_order
+from lms_core.access_order import (AccessOrderResult, Schedule, find_candidates, held_at_floor, lower_bound_s,
+                                   plan_access_order)
 from lms_core.add_chains import plan_add_chains, with_add_chains
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.deferred_zeros import plan_deferred_zeros
 from lms_core.driver import Feedback, Proposal, best_of, overshoot_based, plan_until_it_fits, replayed
 from lms_core.fit import FitJudge, make_judge
-from lms_core.graph import Graph
+from lms_core.graph import BACKWARD, Graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.memory.bfc import MIB
 from lms_core.plan import Plan
-from lms_core.recompute import plan_recompute
+from lms_core.recompute import FloorCheck, plan_recompute
 from lms_core.planner import plan_swaps
 from lms_core.reserved_lists import plan_reserved_lists, with_reserved_lists
 from lms_core.report import PlannedFor, PlanReport, Prediction
@@ -133,7 +134,7 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
     device_budget = int(target.device_memory_bytes * config.memory_ratio)
     host_budget = int(target.host_memory_bytes * config.host_memory_ratio)
     unlimited = simulate(graph, Plan(settings=config.settings()), costs, target.link, keep_events=True)
-    bases = _bases(graph, config, costs, unlimited, target, compute_device, device_budget, host_budget)
+    bases = _bases(graph, config, costs, unlimited, target, compute_device, data_inputs, device_budget, host_budget)
     options = [option for base in bases
                for option in _options(base, config, target, compute_device, data_inputs, edges)]
 
@@ -189,21 +190,26 @@ RECOMPUTE_SHARES = (1.0, 0.5, 0.25)
 
 
 def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: SimulationResult, target: Target,
-           compute_device: str, device_budget: int, host_budget: int) -> list[_Base]:
+           compute_device: str, data_inputs: frozenset[str], device_budget: int, host_budget: int) -> list[_Base]:
     """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
     chooses for each of RECOMPUTE_SHARES of the excess (where recompute is allowed; the whole
-    excess only, where swapping is not)."""
+    excess only, where swapping is not). Where swaps take the rest, the recomputes may not raise the
+    swaps' floor over the budget or, where the step as traced is over it already, over that floor."""
     def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
         return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
+
+    def floor_of(step: Graph, unswapped: SimulationResult) -> tuple[int, frozenset[str]]:
+        return swap_floor(step, unswapped, config, target.link, compute_device, data_inputs)
 
     swaps = "swap" in config.actions
     bases = [_Base(graph, costs, judge_on(graph, costs), unlimited, target.link)] if swaps else []
     if "recompute" not in config.actions or not tunes(config, target):
         return bases
+    floor = FloorCheck(floor_of, max(device_budget, floor_of(graph, unlimited)[0])) if swaps else None
     excess, seen = max(0, unlimited.peak_device_bytes - device_budget), set()
     for share in RECOMPUTE_SHARES if swaps else (1.0,):
         chosen = plan_recompute(graph, config.settings(), costs, target.link, device_budget + int((1 - share) * excess),
-                                config.min_tensor_bytes)
+                                config.min_tensor_bytes, floor_check=floor)
         tensors = frozenset(entry.tensor for entry in chosen.recomputes)
         if tensors in seen or (swaps and not tensors):
             continue
@@ -212,6 +218,19 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
         bases.append(_Base(chosen.graph, chosen.costs, judge_on(chosen.graph, chosen.costs), replay, target.link,
                            tuple(chosen.recomputes), swaps))
     return bases
+
+
+def swap_floor(step: Graph, unswapped: SimulationResult, config: LMSConfig, link: LinkRates, compute_device: str,
+               data_inputs: frozenset[str]) -> tuple[int, frozenset[str]]:
+    """The swaps' floor of `step` (lms_core.access_order.schedule_floor, from its `unswapped` replay
+    with memory events), and what it holds then that a plan could move: tensors that may be swapped,
+    and the backward pass's own results (recomputes' clones among them)."""
+    schedule = Schedule(step, unswapped)
+    candidates, _ = find_candidates(step, config, schedule, link, compute_device, data_inputs)
+    floor, resident = held_at_floor(unswapped, schedule, candidates)
+    movable = {candidate.tensor for candidate in candidates}
+    return floor, frozenset(buffer for buffer in resident
+                            if buffer in movable or step[split_tensor(buffer)[0]].category == BACKWARD)
 
 
 def _options(base: _Base, config: LMSConfig, target: Target, compute_device: str, data_inputs: frozenset[str],

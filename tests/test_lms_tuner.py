@@ -86,7 +86,8 @@ def test_plan_command_tunes_for_the_link_and_plots(tmp_path, capsys):
     assert plan_command.main(args + ["--out", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["link"].startswith("pcie3") and plan["device_profile"].startswith("a100")
-    assert plan["settings"]["mode"] == "auto" and plan["tuning"].startswith("auto-tuned")
+    # The tuner's plan, on the step as traced or after recomputes ("recompute: ...; then auto-tuned: ...").
+    assert plan["settings"]["mode"] == "auto" and "auto-tuned: threshold" in plan["tuning"]
     assert "of 51.20 GiB budget" in plan["tuning"]  # host: 64 GiB x lms.host_memory_ratio 0.8
     assert plan["device_memory_bytes"] == 24 * MIB
     assert set(plan["prediction"]) >= {"peak_device_bytes", "step_time_s", "stall_time_s", "hidden_share"}

@@ -140,6 +140,11 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     return report
 
 
+#: What the type of an op Grappler's remapper made of several has in it: its own fusions (`_FusedConv2D`,
+#: `_FusedMatMul`, `_FusedBatchNormEx`) and oneDNN's (`_MklNativeConv2DWithBias`, `_MklNativeFusedConv2D`).
+FUSED_MARKS = ("Fused", "WithBias")
+
+
 class PartitionedGraph:
     """The nodes of all partitions by name, and every `_Send` by the edge it carries."""
 
@@ -213,15 +218,18 @@ class PartitionedGraph:
 
     def clones_gated(self, recomputes, scope: str) -> tuple[int, int, list[str]]:
         """Of the recomputes' clones: how many were executed after their trigger (it is among their
-        ancestors), how many there are, and why each other one is not. A clone Grappler folded away
-        or renamed fails the check: then nothing proves it runs in the backward pass."""
+        ancestors), how many there are, and why each other one is not. A clone Grappler's remapper
+        fused into a later clone of its segment (a convolution and its bias add, run as one
+        `_FusedConv2D`, or with oneDNN `_MklNativeConv2DWithBias`, under the bias add's name) is checked as that fused op. A clone Grappler
+        folded away or renamed otherwise fails the check: then nothing proves it runs in the backward
+        pass."""
         gated, count, early = 0, 0, []
         for entry in recomputes:
             trigger = f"{scope}/{entry.trigger}"
-            for clone in entry.clones:
+            for position, clone in enumerate(entry.clones):
                 count += 1
-                name = f"{scope}/{clone}"
-                if name not in self.nodes:
+                name = self.fused_into(entry.clones[position:], scope)
+                if name is None:
                     early.append(f"{clone} is not among the executed ops")
                 elif trigger not in self.nodes:
                     early.append(f"{clone}: its trigger {entry.trigger} is not among the executed ops")
@@ -230,6 +238,15 @@ class PartitionedGraph:
                 else:
                     gated += 1
         return gated, count, early
+
+    def fused_into(self, clones: list[str], scope: str) -> str | None:
+        """The executed op that runs `clones[0]`: itself, or where Grappler fused it away, the first
+        later clone of its segment that was executed as a fused op (its type says so: FUSED_MARKS)."""
+        first = f"{scope}/{clones[0]}"
+        if first in self.nodes:
+            return first
+        return next((f"{scope}/{c}" for c in clones[1:] if f"{scope}/{c}" in self.nodes
+                     and any(mark in self.nodes[f"{scope}/{c}"].op for mark in FUSED_MARKS)), None)
 
     def readers_of(self, name: str) -> list:
         """The ops whose data inputs include `name`'s outputs (in its own partition)."""

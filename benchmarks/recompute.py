@@ -4,7 +4,9 @@
 
 Each case is one rank's plan for a 16 GiB device, made as a rank makes it (`lms_core.tf.
 rewrite_within_estimate`: the strategies, the recompute bases, Grappler's estimate); printed with
-the simulator's step against the unswapped one and Grappler's peak, which judges "fits" in the bench.
+the simulator's step against the unswapped one, Grappler's peak, which judges "fits" in the bench,
+and the bound on the step in its order (lms_core.access_order.lower_bound_s: over swaps alone, or
+over both actions where recompute is allowed).
 These are models' figures, on this machine's CPU; no GPU runs here.
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ def row(case: str, actions: list[str], rewritten, estimate, seconds: float) -> s
     return (f"{case:<12} {'+'.join(actions):<15} step {prediction.step_time_s * 1000:7.0f} ms ({overhead:+5.0%}) "
             f"simulated peak {prediction.peak_device_bytes / GIB:6.2f} GiB  Grappler {estimate.lms_bytes / GIB:6.2f} GiB "
             f"({fits} 16 GiB)  swapped {plan.swapped_bytes / GIB:6.2f} GiB  recomputed {plan.recomputed_bytes / GIB:6.2f} "
-            f"GiB ({len(plan.recomputes)} tensors)  planned in {seconds:.0f} s")
+            f"GiB ({len(plan.recomputes)} tensors)  bound {prediction.bound_s * 1000:.0f} ms "
+            f"({prediction.bound_s / prediction.unlimited_step_time_s - 1:+.0%})  planned in {seconds:.0f} s")
 
 
 def main() -> int:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lms_core.config import LMSConfig
 from lms_core.driver import Feedback, Proposal, best_of, better, plan_until_it_fits, replayed
@@ -58,6 +59,9 @@ from lms_core.planner import (SHAPE_ONLY_TYPES, latest_backward_inputs, reason_n
 from lms_core.prefetch import fill_idle_link
 from lms_core.pruning import drop_unneeded_swaps
 from lms_core.simulator import SimulationResult, SimulationStalled, simulate
+
+if TYPE_CHECKING:
+    from lms_core.recompute import Relief
 
 MAX_REPLANS = 6  # rounds of "the replay overshot: plan for less" before the best plan so far is kept
 MAX_PACING = 60  # replays per round that add waits for copies out behind at the peak (_paced)
@@ -800,23 +804,40 @@ def _trigger(graph: Graph, schedule: Schedule, latest: dict[str, str | None], re
     return None if current is None else graph[current]
 
 
-def lower_bound_s(schedule: Schedule, link: LinkRates, budget_bytes: int) -> tuple[float, int]:
+def lower_bound_s(schedule: Schedule, link: LinkRates, budget_bytes: int, relief: "Relief | None" = None
+                  ) -> tuple[float, int]:
     """(seconds, bytes): no plan that keeps the step's order makes it faster than this, and the
     budget forces at least these bytes off the device at the unswapped peak.
 
-    At any moment m over the budget, (usage(m) - budget) bytes must be on the host: all were made
-    before m and are read after it. Their copies out end before m and their copies back start after
-    it, each on a queue of the link's rate. So the step takes at least
+    At any moment m over the budget, forced(m) = (usage(m) - budget) bytes must be off the device:
+    all were made before m and are read after it. Swapped, their copies out end before m and their
+    copies back start after it, each on a queue of the link's rate. So with swaps alone the step
+    takes at least
         max(compute before m, forced(m) / D2H) + max(compute from m, forced(m) / H2D),
     at every such moment, and never less than its compute. (The unswapped step runs its compute
-    without a gap, so the compute before m is m.)"""
+    without a gap, so the compute before m is m.)
+
+    With `relief` (lms_core.recompute.Relief: recompute allowed too), r of those bytes may instead
+    be made again after m, at a compute cost of at least relief.cost(m, r), and only the rest cross
+    the link: the bound at m is the least over r of
+        max(compute before m, (forced(m) - r) / D2H) + max(compute from m + cost(r), (forced(m) - r) / H2D),
+    a bound over both actions, never above the swaps' alone."""
     bound = schedule.compute_s
     for moment, usage in zip(schedule.times, schedule.usage):
         forced = usage - budget_bytes
-        if forced > 0:
-            before = min(moment, schedule.compute_s)
-            bound = max(bound, max(before, forced / link.d2h_bytes_per_s)
-                        + max(schedule.compute_s - before, forced / link.h2d_bytes_per_s))
+        if forced <= 0:
+            continue
+        before = min(moment, schedule.compute_s)
+
+        def step_s(recomputed: float, cost_s: float = 0.0) -> float:
+            left = forced - recomputed
+            return (max(before, left / link.d2h_bytes_per_s)
+                    + max(schedule.compute_s - before + cost_s, left / link.h2d_bytes_per_s))
+
+        at_moment = step_s(0.0)
+        if at_moment > bound and relief is not None:  # only a moment that raises the bound is worth the search
+            at_moment = relief.least(moment, forced, step_s)
+        bound = max(bound, at_moment)
     return bound, max(0, schedule.peak - budget_bytes)
 
 

@@ -29,7 +29,7 @@ from lms_core.graph import BACKWARD, Graph, split_tensor
 from lms_core.link import LinkRates
 from lms_core.memory.bfc import MIB
 from lms_core.plan import Plan
-from lms_core.recompute import FloorCheck, plan_recompute
+from lms_core.recompute import FloorCheck, plan_recompute, recompute_relief
 from lms_core.planner import plan_swaps
 from lms_core.reserved_lists import plan_reserved_lists, with_reserved_lists
 from lms_core.report import PlannedFor, PlanReport, Prediction
@@ -148,16 +148,15 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
             text = f"{chosen.text}; chosen over {other.label()}: step {other.simulation.step_time_s * 1000:.0f} ms, " \
                    f"peak {format_bytes(other.simulation.peak_device_bytes)}"
         plan = dataclasses.replace(chosen.plan, recomputes=list(chosen.base.recomputes))
-        # The bound is the swaps' alone (lms_core.access_order.lower_bound_s): a plan that recomputes is not under it.
         report = PlanReport(plan, PlannedFor(target.link, target.device, cost_model),
-                            prediction(chosen.simulation, unlimited, 0.0 if plan.recomputes else bound_s),
+                            prediction(chosen.simulation, unlimited, bound_s),
                             tuning=text, warnings=chosen.warnings)
         base = chosen.base
         planning = Planning(base.graph, report, chosen.tuning, chosen.simulation, base.costs, traced,
                             chosen.access_order)
         return _with_memory(planning, base.judge) if describe else planning
 
-    bound_s, _ = lower_bound_s(Schedule(graph, unlimited), target.link, device_budget)
+    bound_s = step_bound_s(graph, config, costs, unlimited, target.link, device_budget)
     planning = planning_of(options, describe_memory)
     if planning.refined:
         # Described only if used (with_memory): the allocator model replays the plan.
@@ -166,6 +165,19 @@ def _plan_for_target(graph: Graph, config: LMSConfig, compute_device: str, data_
         planning = dataclasses.replace(planning, unrefined=dataclasses.replace(
             before, report=dataclasses.replace(before.report, plan=plan)))
     return planning
+
+
+def step_bound_s(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: SimulationResult,
+                 link: LinkRates, device_budget: int) -> float:
+    """The least step any plan of the allowed actions makes for the budget in the step's order
+    (lms_core.access_order.lower_bound_s): over swaps alone, over both actions where recompute is
+    allowed too; none (0) with recompute alone, which the link does not bound."""
+    if "swap" not in config.actions:
+        return 0.0
+    schedule = Schedule(graph, unlimited)
+    relief = (recompute_relief(graph, schedule.start, schedule.end, costs, config.min_tensor_bytes)
+              if "recompute" in config.actions else None)
+    return lower_bound_s(schedule, link, device_budget, relief)[0]
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,18 @@ TensorFlow executes that every clone waits for its trigger.
 at its peak moment the segments whose tensors are idle then (forward readers done, backward readers
 not started) are taken, the most bytes freed per second of recompute first, until they cover the
 excess; the step is rewritten (`with_recomputes`) and simulated again. What recompute cannot cover
-is left to the swap strategies, planned on the rewritten step.
+is left to the swap strategies, planned on the rewritten step. Where swaps take the rest, the
+recomputes may not raise the floor no swap can go under (`within_floor`): those holding memory at
+the floor's moment are dropped.
+
+**What it can gain at the most** (`Relief`): every recomputable tensor's idle stretch and its
+producer's time per byte, from which lms_core.access_order.lower_bound_s bounds the step over both
+actions: at each moment the bytes that must be off the device are split between the link and the
+compute queue where that is fastest.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -340,6 +348,71 @@ def held_by(entries: list[Recompute], resident: frozenset[str]) -> set[str]:
     producers = {split_tensor(buffer)[0] for buffer in resident}
     cloned = {entry.tensor for entry in entries if producers & set(entry.clones)}
     return cloned or {entry.tensor for entry in entries if resident & set(entry.anchors)}
+
+
+@dataclass(frozen=True)
+class Relief:
+    """What recompute could take off the device at each moment of the unswapped schedule, and the
+    least compute that costs: each recomputable tensor's idle stretch (its forward readers done, its
+    backward readers not started), and the time per byte of its producer, which a recompute runs
+    again at the least. Sorted by that time per byte: the cheapest first."""
+
+    tensors: tuple[tuple[float, float, float, int], ...]  # (seconds per byte, idle from, idle until, bytes)
+
+    def cost_curve(self, moment: float) -> tuple[list[int], list[float]]:
+        """Cumulative bytes and seconds of the tensors idle at `moment`, the cheapest per byte first."""
+        freed, seconds = [0], [0.0]
+        for per_byte, start, end, nbytes in self.tensors:
+            if start <= moment < end:
+                freed.append(freed[-1] + nbytes)
+                seconds.append(seconds[-1] + per_byte * nbytes)
+        return freed, seconds
+
+    def least(self, moment: float, forced: int, step_s: Callable[[float, float], float]) -> float:
+        """The least of `step_s(r, cost of recomputing r bytes)` over r from 0 to what is idle at
+        `moment` (at most `forced`). The cost is the cheapest bytes' first (a convex, piecewise-linear
+        curve) and `step_s` is convex in r for a convex cost: a ternary search finds the least."""
+        freed, seconds = self.cost_curve(moment)
+        high = min(forced, freed[-1])
+
+        def at(r: float) -> float:
+            i = min(max(bisect_left(freed, r), 1), len(freed) - 1)
+            share = (r - freed[i - 1]) / (freed[i] - freed[i - 1]) if freed[i] > freed[i - 1] else 0.0
+            return step_s(r, seconds[i - 1] + share * (seconds[i] - seconds[i - 1]))
+
+        low, top = 0.0, float(high)
+        for _ in range(RELIEF_SEARCH_STEPS):
+            third = (top - low) / 3
+            if at(low + third) <= at(top - third):
+                top -= third
+            else:
+                low += third
+        return min(at(0.0), at((low + top) / 2), at(float(high)))
+
+
+#: Ternary-search steps per moment of `Relief.least`: (2/3)^60 of the bytes is below one byte.
+RELIEF_SEARCH_STEPS = 60
+
+
+def recompute_relief(graph: Graph, start: dict[str, float], end: dict[str, float], costs: dict[str, float],
+                     min_tensor_bytes: int, types: frozenset[str] = RECOMPUTABLE_TYPES) -> Relief:
+    """The Relief of `graph`'s unswapped schedule (`start` and `end` of each op): every tensor that
+    can be recomputed (candidate_segments), idle from its producer's and forward readers' end to its
+    first backward reader's start, at its producer's time over all its bytes recomputed."""
+    segments = candidate_segments(graph, costs, max(1, min_tensor_bytes), types=types)
+    produced: dict[str, int] = {}
+    for segment in segments:
+        producer = split_tensor(segment.tensor)[0]
+        produced[producer] = produced.get(producer, 0) + segment.nbytes
+    tensors = []
+    for segment in segments:
+        producer = split_tensor(segment.tensor)[0]
+        near = [c for c, _ in graph.consumers(segment.tensor) if c not in segment.consumers]
+        done = max((end.get(op, float("inf")) for op in (producer, *near)), default=0.0)
+        needed = min(start.get(op, float("inf")) for op in segment.consumers)
+        if done < needed:
+            tensors.append((costs.get(producer, 0.0) / produced[producer], done, needed, segment.nbytes))
+    return Relief(tuple(sorted(tensors)))
 
 
 def segments_for(graph: Graph, costs: dict[str, float], min_tensor_bytes: int, tensors: list[str],

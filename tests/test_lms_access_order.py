@@ -219,3 +219,47 @@ def test_access_order_plans_are_gated_and_train_the_same_on_split_devices(name):
     losses_b = [float(rewritten(*batch)) for _ in range(3)]
     rtol = 1e-4 if name == "unet3d" else 1e-6  # instance norm's gradient, as in test_lms_rewrite
     assert_same_training(losses_b, losses_a, model_b.variables, model_a.variables, rtol=rtol)
+
+
+def test_the_bound_over_both_actions_recomputes_what_beats_the_link():
+    """One moment m of a step: 8 MiB must be off the device, 1 s of compute before m and 1 s after,
+    a link of 2 MiB/s each way, and a 4 MiB tensor idle at m that costs 1 s per MiB to make again.
+    Swapping all 8 MiB: 4 s out before m, 4 s back after it, 8 s. Recomputing r MiB leaves 8 - r to
+    the link, (8 - r) / 2 s each way, and the compute after m grows to 1 + r s: the two balance at
+    r = 2 (3 s each way, 3 s after m), 6 s in all; more recompute costs more than it saves."""
+    from lms_core.recompute import Relief
+
+    mib = float(MIB)
+    relief = Relief(((1.0 / mib, 0.0, 10.0, 4 * MIB),))
+
+    def step_s(recomputed: float, cost_s: float = 0.0) -> float:
+        left = 8 * mib - recomputed
+        return max(1.0, left / (2 * mib)) + max(1.0 + cost_s, left / (2 * mib))
+
+    assert step_s(0.0) == 8.0
+    assert relief.least(5.0, 8 * MIB, step_s) == pytest.approx(6.0, rel=1e-6)
+    assert relief.least(10.0, 8 * MIB, step_s) == 8.0  # not idle then: swaps alone
+    # At 0.1 s per MiB all 4 idle MiB are worth making again (1.4 s after m): 4 MiB cross, 2 s each way.
+    cheap = Relief(((0.1 / mib, 0.0, 10.0, 4 * MIB),))
+    assert cheap.least(5.0, 8 * MIB, step_s) == pytest.approx(4.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("budget_mib", [20, 16, 12])
+def test_the_bound_over_both_actions_is_under_the_swaps_and_under_every_plan_that_fits(budget_mib):
+    """On the chain with a 2 s copy, the bound over both actions is never above the swaps' alone, nor
+    above the step of a plan with recompute that fits the budget."""
+    from lms_core.recompute import plan_recompute, recompute_relief
+
+    graph = chain_step()
+    costs, budget = unit_costs(graph), budget_mib * MIB
+    base = unswapped(graph, SLOW)
+    schedule = Schedule(graph, base)
+    relief = recompute_relief(graph, schedule.start, schedule.end, costs, MIB)
+    assert relief.tensors  # a, b and c can be made again
+    swaps_only, _ = lower_bound_s(schedule, SLOW, budget)
+    both, _ = lower_bound_s(schedule, SLOW, budget, relief)
+    assert schedule.compute_s <= both <= swaps_only
+    chosen = plan_recompute(graph, {}, costs, SLOW, budget, MIB)
+    recomputed = simulate(chosen.graph, Plan(settings={}), chosen.costs, SLOW)
+    if recomputed.peak_device_bytes <= budget:
+        assert both <= recomputed.step_time_s + 1e-9

@@ -22,8 +22,8 @@ def apply_add_chains(nodes: dict[str, node_def_pb2.NodeDef], graph_def: graph_pb
         controls = [name for name in add_n.input if name.startswith("^")]
         partial = graphdef_ref(chain.inputs[0])
         for step, (name, term) in enumerate(zip(chain.adds, chain.inputs[1:])):
-            node = _add(name, partial, graphdef_ref(term), add_n, controls if step == 0 else [])
-            graph_def.node.append(node)
+            node = graph_def.node.add()  # not append(): it stores a copy, and swaps and edges edit `nodes`
+            node.CopyFrom(_add(name, partial, graphdef_ref(term), add_n, controls if step == 0 else []))
             nodes[name] = node
             partial = name
         last = _add(chain.op, partial, graphdef_ref(chain.inputs[-1]), add_n, [])

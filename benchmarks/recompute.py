@@ -22,16 +22,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GIB = 1 << 30
 
-# name: (recipe, batch, device profile, link)
+# name: (recipe, batch, device profile, link, lms.memory_ratio: the share of the 16 GiB the planner aims for)
 CASES = {
-    "b1024-pcie5": ("resnet50", 1024, "h100", "pcie5"),
-    "b256-pcie3": ("resnet50", 256, "v100", "pcie3"),
-    "b256-pcie5": ("resnet50", 256, "h100", "pcie5"),
+    "b1024-pcie5": ("resnet50", 1024, "h100", "pcie5", 0.9),
+    # The whole 16 GiB, as the bench's judge (Grappler's estimate against 16 GiB) allows: at 0.9 the
+    # step's floor in its order (15.41 GiB) is over the planner's budget, and no plan of that order fits.
+    "b1024-pcie5-ratio1": ("resnet50", 1024, "h100", "pcie5", 1.0),
+    "b256-pcie3": ("resnet50", 256, "v100", "pcie3", 0.9),
+    "b256-pcie5": ("resnet50", 256, "h100", "pcie5", 0.9),
 }
 ACTIONS = (["swap"], ["swap", "recompute"])
 
 
-def plan_case(recipe_name: str, batch: int, device: str, link: str, actions: list[str]):
+def plan_case(recipe_name: str, batch: int, device: str, link: str, memory_ratio: float, actions: list[str]):
     """(the rewritten step, Grappler's estimate, seconds) for one case and set of actions."""
     import dataclasses
 
@@ -43,7 +46,7 @@ def plan_case(recipe_name: str, batch: int, device: str, link: str, actions: lis
     from lms_core.planning import Target
 
     recipe = load_recipe(ROOT / "recipes" / f"{recipe_name}.yaml", [f"train.batch_size={batch}"])
-    lms = dataclasses.replace(recipe.lms, enabled=True, mode="auto", actions=actions)
+    lms = dataclasses.replace(recipe.lms, enabled=True, mode="auto", actions=actions, memory_ratio=memory_ratio)
     setup = build_training(recipe, ranks=1, device="CPU:0")
     target = Target(link_named(link), PROFILES[device], 16 * GIB, 512 * GIB)
     started = time.perf_counter()
@@ -87,10 +90,10 @@ def main() -> int:
     say(f"command: .venv/bin/python benchmarks/recompute.py {' '.join(sys.argv[1:])}")
     say("")
     for case in cases:
-        recipe, batch, device, link = CASES[case]
-        say(f"{case}: {recipe} batch {batch}, {device} on {link}, 16 GiB (budget 14.40 GiB)")
+        recipe, batch, device, link, ratio = CASES[case]
+        say(f"{case}: {recipe} batch {batch}, {device} on {link}, 16 GiB (budget {16 * ratio:.2f} GiB)")
         for actions in ACTIONS:
-            rewritten, estimate, seconds = plan_case(recipe, batch, device, link, actions)
+            rewritten, estimate, seconds = plan_case(recipe, batch, device, link, ratio, actions)
             say(row(case, actions, rewritten, estimate, seconds))
             say(f"{'':<12} {rewritten.report.tuning[:300]}")
     return 0

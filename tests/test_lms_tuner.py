@@ -245,3 +245,27 @@ def test_a_refined_plan_keeps_the_plan_as_tuned_for_a_second_opinion():
     assert with_memory(unrefined, config, "", target).report.memory == again.report.memory is not None
     assert {s.trigger for swap in planning.plan.swaps for s in swap.swap_ins} - \
         {s.trigger for swap in unrefined.plan.swaps for s in swap.swap_ins} == {"gradient_tape/grad_h"}
+
+
+def test_the_tuners_line_says_over_by_the_judges_verdict_not_the_rounded_requirement():
+    """The BFC requirement is the smallest whole-MiB limit the trace runs under; the judge replays the
+    budget itself. A plan that runs under a budget of 21.6 MiB has a requirement of 22 MiB: it fits,
+    and the line must not say OVER. One that does not run under it is over."""
+    from lms_core.config import LMSConfig
+    from lms_core.link import link_named
+    from lms_core.plan import Plan
+    from lms_core.simulator import simulate
+    from lms_core.tuner import TuningResult
+    from tests.fixtures import chain_step, unit_costs
+
+    graph = chain_step()
+    replay = simulate(graph, Plan(settings={}), unit_costs(graph), link_named("pcie3"))
+    mib = 1 << 20
+
+    def line(fits: bool) -> str:
+        result = TuningResult(LMSConfig(), Plan(settings={}), replay, replay, int(21.6 * mib), 1 << 30, fits, 1,
+                              judge="bfc", device_needed_bytes=22 * mib)
+        return result.describe()
+
+    assert "BFC requirement 22.00 MiB (to the MiB) of 21.60 MiB, host" in line(fits=True)
+    assert "BFC requirement 22.00 MiB (to the MiB) of 21.60 MiB: OVER" in line(fits=False)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 on the lent GPU machine, in one device-tool call: unpack the bundle, then the measurements,
+# lms-launch's own GPU measurements (issues 14 and 32), in one call to the GPU machine they run on: unpack the bundle, then the measurements,
 # most telling first. Each stage has a time limit of its own, and everything it writes goes straight
 # to OUT, so a call cut off by the session's device budget still brings back every stage it finished.
 #
@@ -9,6 +9,8 @@
 # each asked for by name: env (every part's file starts with what it says, so it is not a default: the
 # device tool brings back 8 files), and, in later calls, bench-none bench-lms (the largest ResNet-50
 # batch without and with LMS, judged by real runs on the GPU held to 16 GiB).
+# joins (benchmarks/join_peaks.py: the allocator's peak where the backward pass joins, against the
+# simulator's; about 20 s) asked for by name too.
 # Issue 32's session (docs/gpu-bundle.md): peers-start in the first transfer call (PyTorch's peers,
 # benchmarks/peers/, run in the background while the bundle's parts arrive; they need no TensorFlow),
 # peers-status in the next ones, and in the last: unpack peers-wait shipped bench-none bench-lms.
@@ -110,6 +112,8 @@ for s in "${stages[@]}"; do
         shipped) measure shipped 240 variants --models shipped,unswapped --workdir "$runs/shipped"; keep_runs ;;
         bench-none) bench bench-none 150 --configs none --start 192 --min 176 --max 224 --step 8 ;;
         bench-lms) bench bench-lms 580 --configs lms-launch --start 1024 --min 896 --max 1152 --step 128 --run-steps 4 ;;
+        joins) { [ -n "${LMS_BUNDLE_ENV:-}" ] || { source "$into/env.sh" && export LMS_BUNDLE_ENV=1; }; } &&
+               stage joins 90 python3 benchmarks/join_peaks.py --mib 256 --out "$out/gpu-joins.txt" ;;
         peers-start) peers_start ;;
         peers-status) tail -n 3 "$peers/peers.log" 2>/dev/null || echo "no peers running" ;;
         peers-wait) peers_wait "${LMS_PEERS_WAIT:-30}" ;;

@@ -114,7 +114,8 @@ def main() -> int:
         with tf.device(device):
             measured = measured_peak(tf, function, x, y, device)
         simulated = simulated_peak(function, x, y)
-        say(f"{name:<7} allocator {measured / (args.mib * MIB):4.1f}  simulator {simulated / (args.mib * MIB):4.1f}  {what}")
+        size = args.mib * MIB
+        say(f"{name:<7} allocator {measured / size:4.1f}  simulator {simulated / size:4.1f}  {what}")
     return 0
 
 

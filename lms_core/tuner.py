@@ -88,8 +88,8 @@ class TuningResult:
             # verdict, not the rounded figure, says whether the device is over.
             over = "" if self.fits or self.device_needed_bytes <= self.device_budget_bytes else ": OVER"
             device = (f"{format_bytes(sim.peak_device_bytes)} simulated, BFC requirement "
-                      f"{format_bytes(self.device_needed_bytes)} (to the MiB) of {format_bytes(self.device_budget_bytes)}"
-                      f"{over}")
+                      f"{format_bytes(self.device_needed_bytes)} (to the MiB) of "
+                      f"{format_bytes(self.device_budget_bytes)}{over}")
         return (f"{self.settings_text()}; predicted "
                 f"peak: device {device}, host "
                 f"{against(sim.peak_host_bytes, self.host_budget_bytes)} budget ({'fits' if self.fits else 'does NOT fit'}), "

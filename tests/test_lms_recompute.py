@@ -327,8 +327,8 @@ def test_a_clone_reading_a_swapped_anchor_reads_its_swap_in():
                      consumers=["lms/recompute_b_0/b", "grad_a"], consumer_levels=[4, 5])
     swap = Swap(tensor="a:0", producer_type="Relu", shape=[4], dtype="float32", nbytes=4 * MIB, producer_level=1,
                 swap_out="lms/swapout_a_0", swap_ins=[swap_in])
-    applied = {node.name: node for node in apply_plan(graph_def, Plan(settings={}, swaps=[swap], recomputes=[recompute]),
-                                                      COMPUTE, HOST).node}
+    plan = Plan(settings={}, swaps=[swap], recomputes=[recompute])
+    applied = {node.name: node for node in apply_plan(graph_def, plan, COMPUTE, HOST).node}
     assert list(applied["lms/recompute_b_0/b"].input) == ["lms/swapin_a_0", "^seed"]
     assert list(applied["grad_a"].input) == ["grad_b", "lms/swapin_a_0"]
     assert list(applied["grad_b"].input) == ["seed", "lms/recompute_b_0/b"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -150,14 +151,16 @@ def test_tensorflows_cpu_allocator_holds_each_list_only_while_its_own_loop_runs(
     second layer's does not exist yet: the peak drops by one list at least. (Narrow layers keep the
     weight-gradient temporaries, whose order varies from run to run, small beside the lists: the
     allocation trace at the peak differs by the two lists and by up to 3 MiB of [256, 1024] optimizer
-    products at 256 units. Three runs here dropped 1.77, 1.82 and 2.07 lists.)"""
+    products at 256 units. Three runs here dropped 1.77, 1.82 and 2.07 lists; one of the first run of
+    each, on a machine busy with other tests, 0.85. So the medians of three runs each are compared.)"""
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "loop_sizing.py"), "--one", "64,128,128", "--layers", "3",
-         "--repeats", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+         "--repeats", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     one_list = 128 * 64 * 128 * 4
     assert (measured["unset_lists"], measured["gradient_lists"]) == (2, 2 * one_list)
-    without, unset = min(measured["peaks_one_iteration"]), max(measured["peaks_unset_lists"])
-    assert without - unset >= one_list, (without, unset)
+    without = statistics.median(measured["peaks_one_iteration"])
+    unset = statistics.median(measured["peaks_unset_lists"])
+    assert without - unset >= one_list, (measured["peaks_one_iteration"], measured["peaks_unset_lists"])

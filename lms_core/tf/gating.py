@@ -220,9 +220,9 @@ class PartitionedGraph:
         """Of the recomputes' clones: how many were executed after their trigger (it is among their
         ancestors), how many there are, and why each other one is not. A clone Grappler's remapper
         fused into a later clone of its segment (a convolution and its bias add, run as one
-        `_FusedConv2D`, or with oneDNN `_MklNativeConv2DWithBias`, under the bias add's name) is checked as that fused op. A clone Grappler
-        folded away or renamed otherwise fails the check: then nothing proves it runs in the backward
-        pass."""
+        `_FusedConv2D`, or with oneDNN `_MklNativeConv2DWithBias`, under the bias add's name) is
+        checked as that fused op. A clone Grappler folded away or renamed otherwise fails the check:
+        then nothing proves it runs in the backward pass."""
         gated, count, early = 0, 0, []
         for entry in recomputes:
             trigger = f"{scope}/{entry.trigger}"

@@ -818,8 +818,8 @@ def lower_bound_s(schedule: Schedule, link: LinkRates, budget_bytes: int, relief
     without a gap, so the compute before m is m.)
 
     With `relief` (lms_core.recompute.Relief: recompute allowed too), r of those bytes may instead
-    be made again after m, at a compute cost of at least relief.cost(m, r), and only the rest cross
-    the link: the bound at m is the least over r of
+    be made again after m, at a compute cost of at least cost(r) (the cheapest idle bytes' producers'
+    time: Relief.least), and only the rest cross the link: the bound at m is the least over r of
         max(compute before m, (forced(m) - r) / D2H) + max(compute from m + cost(r), (forced(m) - r) / H2D),
     a bound over both actions, never above the swaps' alone."""
     bound = schedule.compute_s

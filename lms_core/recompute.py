@@ -224,14 +224,19 @@ def candidate_segments(graph: Graph, costs: dict[str, float], min_tensor_bytes: 
 
 def idle_at(schedule_start: dict[str, float], schedule_end: dict[str, float], graph: Graph, segment: Segment,
             moment: float) -> bool:
-    """Whether `segment`'s tensor could be off the device at `moment` of a simulated step: its
-    producer and every reader other than its backward readers have ended, and none of those has
-    started."""
+    """Whether `segment`'s tensor could be off the device at `moment` of a simulated step."""
+    done, needed = idle_window(schedule_start, schedule_end, graph, segment)
+    return done <= moment < needed
+
+
+def idle_window(schedule_start: dict[str, float], schedule_end: dict[str, float], graph: Graph,
+                segment: Segment) -> tuple[float, float]:
+    """When `segment`'s tensor could be off the device in a simulated step: from the end of its
+    producer and of every reader other than its backward readers, to the start of the first of those."""
     producer = split_tensor(segment.tensor)[0]
     near = [c for c, _ in graph.consumers(segment.tensor) if c not in segment.consumers]
     done = max((schedule_end.get(op, float("inf")) for op in (producer, *near)), default=0.0)
-    needed = min(schedule_start.get(op, float("inf")) for op in segment.consumers)
-    return done <= moment < needed
+    return done, min(schedule_start.get(op, float("inf")) for op in segment.consumers)
 
 
 #: Rounds of "simulate, take what is idle at the peak, rewrite" at most.
@@ -374,6 +379,8 @@ class Relief:
         curve) and `step_s` is convex in r for a convex cost: a ternary search finds the least."""
         freed, seconds = self.cost_curve(moment)
         high = min(forced, freed[-1])
+        if high <= 0:
+            return step_s(0.0, 0.0)  # nothing idle then: swaps alone
 
         def at(r: float) -> float:
             i = min(max(bisect_left(freed, r), 1), len(freed) - 1)
@@ -407,9 +414,7 @@ def recompute_relief(graph: Graph, start: dict[str, float], end: dict[str, float
     tensors = []
     for segment in segments:
         producer = split_tensor(segment.tensor)[0]
-        near = [c for c, _ in graph.consumers(segment.tensor) if c not in segment.consumers]
-        done = max((end.get(op, float("inf")) for op in (producer, *near)), default=0.0)
-        needed = min(start.get(op, float("inf")) for op in segment.consumers)
+        done, needed = idle_window(start, end, graph, segment)
         if done < needed:
             tensors.append((costs.get(producer, 0.0) / produced[producer], done, needed, segment.nbytes))
     return Relief(tuple(sorted(tensors)))

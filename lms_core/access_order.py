@@ -916,7 +916,12 @@ def lowest_free_budget(schedule: Schedule, link: LinkRates) -> int:
     before m (m x D2H) and back after it ((compute - m) x H2D)."""
     lowest = 0
     for moment, usage in zip(schedule.times, schedule.usage):
-        before = min(moment, schedule.compute_s)
-        movable = min(before * link.d2h_bytes_per_s, (schedule.compute_s - before) * link.h2d_bytes_per_s)
-        lowest = max(lowest, usage - int(movable))
+        lowest = max(lowest, usage - int(link_carry(schedule, moment, link)))
     return lowest
+
+
+def link_carry(schedule: Schedule, moment: float, link: LinkRates) -> float:
+    """The most bytes swaps can have off the device at `moment` of the unswapped step without slowing
+    it: what the link moves out before then (m x D2H) and back after it ((compute - m) x H2D)."""
+    before = min(moment, schedule.compute_s)
+    return min(before * link.d2h_bytes_per_s, (schedule.compute_s - before) * link.h2d_bytes_per_s)

@@ -194,18 +194,32 @@ class _Base:
     swaps_allowed: bool = True
 
 
-#: Shares of the unswapped step's excess over the budget that recompute is asked to cover, one base each;
-#: the swaps take the rest. Swaps the link hides cost nothing, recomputes always cost their time: on
-#: ResNet-50 at batch 256, v100 and pcie3 (simulated, 2026-11-27) recompute covering all of it ran
-#: +6%, half +1%, a quarter +1%, swapping alone +10%.
-RECOMPUTE_SHARES = (1.0, 0.5, 0.25)
+@dataclass(frozen=True)
+class RecomputeAim:
+    """What recompute is asked to take off the device in one base, the swaps taking the rest: at each
+    moment, the step's excess over the budget, less `excess_left` of the excess at its peak, less
+    `link_share` of what the link could carry off by then and back after (lms_core.recompute.plan_recompute)."""
+
+    excess_left: float = 0.0
+    link_share: float = 0.0
+
+
+#: The recompute bases. Swaps the link hides cost nothing, recomputes always cost their time, so some
+#: excess is left to the swaps: on ResNet-50 at batch 256, v100 and pcie3 (simulated, 2026-11-27)
+#: recompute covering all of it ran +6%, half +1%, a quarter +1%, swapping alone +10%. Where the link
+#: cannot carry the excess in time, recompute takes what it cannot: at batch 1024 on an h100 and
+#: pcie5, 16 GiB, the link trusted for 80% of its rate ran +51%, for 40% +36%, for none +56% (a
+#: one-round prototype; the copies out also wait for their tensors to be made), the excess alone
+#: +89%; with these bases the plan runs +38% (simulated, 2026-11-27, benchmarks/recompute.py).
+RECOMPUTE_AIMS = (RecomputeAim(0.0), RecomputeAim(0.5), RecomputeAim(0.75),
+                  RecomputeAim(link_share=0.8), RecomputeAim(link_share=0.4))
 
 
 def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: SimulationResult, target: Target,
            compute_device: str, data_inputs: frozenset[str], device_budget: int, host_budget: int) -> list[_Base]:
     """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
-    chooses for each of RECOMPUTE_SHARES of the excess (where recompute is allowed; the whole
-    excess only, where swapping is not). Where swaps take the rest, the recomputes may not raise the
+    chooses for each of RECOMPUTE_AIMS (where recompute is allowed; the whole excess only, where
+    swapping is not). Where swaps take the rest, the recomputes may not raise the
     swaps' floor over the budget or, where the step as traced is over it already, over that floor."""
     def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
         return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
@@ -219,9 +233,10 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
         return bases
     floor = FloorCheck(floor_of, max(device_budget, floor_of(graph, unlimited)[0])) if swaps else None
     excess, seen = max(0, unlimited.peak_device_bytes - device_budget), set()
-    for share in RECOMPUTE_SHARES if swaps else (1.0,):
-        chosen = plan_recompute(graph, config.settings(), costs, target.link, device_budget + int((1 - share) * excess),
-                                config.min_tensor_bytes, floor_check=floor)
+    for aim in RECOMPUTE_AIMS if swaps else (RecomputeAim(),):
+        chosen = plan_recompute(graph, config.settings(), costs, target.link,
+                                device_budget + int(aim.excess_left * excess), config.min_tensor_bytes,
+                                floor_check=floor, link_share=aim.link_share)
         tensors = frozenset(entry.tensor for entry in chosen.recomputes)
         if tensors in seen or (swaps and not tensors):
             continue

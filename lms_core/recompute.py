@@ -29,13 +29,14 @@ the swap-ins' own rule): without it TensorFlow would run the clones as soon as t
 in the forward pass, and nothing would be freed. lms_core.tf.gating proves on the partition graphs
 TensorFlow executes that every clone waits for its trigger.
 
-**Which tensors** (`plan_recompute`): while the unswapped step's simulated peak is over the budget,
-at its peak moment the segments whose tensors are idle then (forward readers done, backward readers
-not started) are taken, the most bytes freed per second of recompute first, until they cover the
-excess; the step is rewritten (`with_recomputes`) and simulated again. What recompute cannot cover
-is left to the swap strategies, planned on the rewritten step. Where swaps take the rest, the
-recomputes may not raise the floor no swap can go under (`within_floor`): those holding memory at
-the floor's moment are dropped.
+**Which tensors** (`plan_recompute`): at every moment the unswapped step holds more than the budget,
+recompute is asked for the excess less a share of what the link could have off the device then
+(lms_core.access_order.link_carry). The moment wanting the most is covered first, with the idle tensor
+(forward readers done, backward readers not started) whose freeing costs the fewest extra seconds per
+byte (`freeing`: its own segment and those it lengthens); the step is rewritten (`with_recomputes`)
+and simulated again. What recompute cannot cover is left to the swap strategies, planned on the
+rewritten step. Where swaps take the rest, the recomputes may not raise the floor no swap can go
+under (`within_floor`): those holding memory at the floor's moment are dropped.
 
 **What it can gain at the most** (`Relief`): every recomputable tensor's idle stretch and its
 producer's time per byte, from which lms_core.access_order.lower_bound_s bounds the step over both
@@ -255,15 +256,19 @@ class RecomputePlan:
 
 def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, budget_bytes: int,
                    min_tensor_bytes: int, types: frozenset[str] = RECOMPUTABLE_TYPES,
-                   floor_check: FloorCheck | None = None) -> RecomputePlan:
-    """Recomputes chosen to bring the unswapped step's simulated peak within `budget_bytes`, as far
-    as recompute can: while it is over, at the moment of its peak, tensors idle then are freed,
-    cheapest per byte first, until they cover the excess. Each freed tensor is made again from the
-    nearest tensors that are not freed: a tensor freed later extends the segments that read it, and
-    one that would make a segment longer than MAX_SEGMENT_OPS, or reach an op not of `types`, is
-    passed over. `settings` go into the plan the step is simulated with (LMSConfig.settings()).
-    With `floor_check`, the recomputes are then kept within its limit (`within_floor`)."""
-    from lms_core.access_order import Schedule
+                   floor_check: FloorCheck | None = None, link_share: float = 0.0) -> RecomputePlan:
+    """Recomputes chosen to bring the unswapped step within `budget_bytes`, as far as recompute can,
+    less what the link carries: at every moment the step holds more, recompute is asked for the
+    excess less `link_share` of what swaps could have off the device then without slowing the step
+    (lms_core.access_order.link_carry; 0 asks recompute for all of it). Each round the step is
+    simulated and `_cover` takes idle tensors where the most is still wanted; the step is rewritten
+    and simulated again, until nothing is wanted or nothing more can be freed. Each freed tensor is
+    made again from the nearest tensors that are not freed: a tensor freed later extends the
+    segments that read it, and one that would make a segment longer than MAX_SEGMENT_OPS, or reach an
+    op not of `types`, is passed over. `settings` go into the plan the step is simulated with
+    (LMSConfig.settings()). With `floor_check`, the recomputes are then kept within its limit
+    (`within_floor`)."""
+    from lms_core.access_order import Schedule, link_carry
     from lms_core.plan import Plan
     from lms_core.simulator import simulate
 
@@ -271,25 +276,14 @@ def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, 
     freed: dict[str, Segment] = {}
     current, current_costs = graph, costs
     for _ in range(MAX_ROUNDS):
-        result = simulate(current, Plan(settings=settings), current_costs, link, keep_events=True)
-        if result.peak_device_bytes <= budget_bytes:
-            break
-        schedule = Schedule(current, result)
-        moment = schedule.times[schedule.usage.index(schedule.peak)]
-        idle = sorted((s for s in candidate_segments(graph, costs, floor, frozenset(freed), types)
-                       if s.tensor not in freed and idle_at(schedule.start, schedule.end, current, s, moment)),
-                      key=lambda s: (s.seconds / s.nbytes, s.tensor))
-        excess, added = result.peak_device_bytes - budget_bytes, False
-        for candidate in idle:
-            trial = segments_for(graph, costs, floor, [*freed, candidate.tensor], types)
-            if trial is None:
-                continue  # freeing it would leave some segment unable to make its tensor again
-            freed, added = trial, True
-            excess -= candidate.nbytes
-            if excess <= 0:
-                break
-        if not added:
-            break  # nothing more recompute can free at the peak: the rest is for the swaps
+        schedule = Schedule(current, simulate(current, Plan(settings=settings), current_costs, link, keep_events=True))
+        # Within PEAK_TIE of the budget counts as within it: a few bytes over are no reason to free megabytes.
+        wanted = [usage - budget_bytes * (1 + PEAK_TIE) - link_share * link_carry(schedule, moment, link)
+                  for moment, usage in zip(schedule.times, schedule.usage)]
+        more = _cover(graph, costs, floor, types, schedule, wanted, freed)
+        if len(more) == len(freed):
+            break  # nothing wanted, or nothing more recompute can free where it is: the rest is for the swaps
+        freed = more
         entries = [segment.entry() for segment in freed.values()]
         current, current_costs = with_recomputes(graph, entries), clone_costs(costs, entries)
     if floor_check is not None and freed:
@@ -297,6 +291,59 @@ def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, 
         entries = [segment.entry() for segment in freed.values()]
         current, current_costs = with_recomputes(graph, entries), clone_costs(costs, entries)
     return RecomputePlan([segment.entry() for segment in freed.values()], current, current_costs)
+
+
+def _cover(graph: Graph, costs: dict[str, float], min_tensor_bytes: int, types: frozenset[str], schedule,
+           wanted: list[float], freed: dict[str, Segment]) -> dict[str, Segment]:
+    """`freed` and the tensors that cover `wanted` (bytes per moment of `schedule`, a replay of
+    `graph` with `freed` made again) as far as tensors idle there can: the moment wanting the most
+    first, and there the tensor whose freeing costs the fewest extra seconds of recompute per byte
+    (its own segment, and the segments it lengthens: `freeing`). Freed, a tensor covers its bytes
+    over its whole idle stretch."""
+    left = list(wanted)
+    idle = {segment.tensor: (segment.nbytes, idle_window(schedule.start, schedule.end, schedule.graph, segment))
+            for segment in candidate_segments(graph, costs, min_tensor_bytes, frozenset(freed), types)
+            if segment.tensor not in freed}
+    refused: set[str] = set()
+    while left:
+        index = max(range(len(left)), key=left.__getitem__)
+        if left[index] <= 0:
+            break
+        moment, best = schedule.times[index], None
+        for tensor, (nbytes, (done, needed)) in idle.items():
+            if tensor in freed or tensor in refused or not done <= moment < needed:
+                continue
+            changed = freeing(graph, costs, min_tensor_bytes, types, freed, tensor)
+            if changed is None:
+                refused.add(tensor)  # some segment could no longer make its tensor again
+                continue
+            extra = sum(s.seconds for s in changed.values()) - sum(freed[t].seconds for t in changed if t in freed)
+            if best is None or (extra / nbytes, tensor) < best[0]:
+                best = ((extra / nbytes, tensor), tensor, changed)
+        if best is None:
+            left[index] = 0.0  # nothing idle to free here: the swaps must
+            continue
+        _, tensor, changed = best
+        freed = {**freed, **changed}
+        nbytes, (done, needed) = idle[tensor]
+        for moment_index in range(bisect_left(schedule.times, done), bisect_left(schedule.times, needed)):
+            left[moment_index] -= nbytes
+    return freed
+
+
+def freeing(graph: Graph, costs: dict[str, float], min_tensor_bytes: int, types: frozenset[str],
+            freed: dict[str, Segment], tensor: str) -> dict[str, Segment] | None:
+    """The segments that freeing `tensor` besides `freed` makes or changes: its own, and those of the
+    freed tensors that read it as an anchor (they now make it again first); None where one of them
+    could no longer be made."""
+    names = frozenset(freed) | {tensor}
+    changed = {}
+    for name in (tensor, *(t for t, segment in freed.items() if tensor in segment.anchors)):
+        found = find_segment(graph, name, costs, min_tensor_bytes, names, types)
+        if not isinstance(found, Segment):
+            return None
+        changed[name] = found
+    return changed
 
 
 @dataclass(frozen=True)

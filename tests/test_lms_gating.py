@@ -148,6 +148,46 @@ def test_the_check_names_what_is_wrong_on_hand_built_partitions():
     assert "is not among the executed ops" in first.reason
 
 
+def test_a_trigger_the_remapper_fused_into_a_later_clone_is_checked_as_that_fused_op():
+    """A swap-in may be triggered by a recompute's clone. Where Grappler's remapper fused that clone
+    (a convolution) into a later clone of its segment (its bias add, as one `_FusedConv2D` under the
+    bias add's name), the fused op is what ran it: the swap-in is gated when its copy waits for that
+    op, and not when it does not. Hand-edited partitions: the trigger renamed away, a fused op in its
+    place carrying its edges."""
+    import dataclasses
+
+    from lms_core.plan import Recompute
+
+    rewritten, batch = rewritten_on_split_devices("densenet_block")
+    partitions = executed_partitions(rewritten, *batch)
+    swap_in = rewritten.plan.swaps[0].swap_ins[0]
+    conv, bias = swap_in.trigger, swap_in.trigger + "_bias"
+    entry = Recompute(tensor="t:0", nbytes=1, ops=["c", "b"], clones=[conv, bias], anchors=[], consumers=[],
+                      trigger="x", seconds=0.0)
+    plan = dataclasses.replace(rewritten.plan, recomputes=[entry])
+    old_name, new_name = f"{IMPORT_SCOPE}/{conv}", f"{IMPORT_SCOPE}/{bias}"
+
+    def renamed(reference: str) -> str:
+        name = reference.lstrip("^").split(":")[0]
+        return reference.replace(old_name, new_name, 1) if name == old_name else reference
+
+    for partition in partitions:
+        for node in partition.node:
+            if node.name == old_name:
+                node.name, node.op = new_name, "_FusedConv2D"
+            node.input[:] = [renamed(i) for i in node.input]
+    gate = next(g for g in check_partitions(partitions, plan, COMPUTE, HOST).gates if g.swap_in == swap_in.name)
+    assert gate.gated, gate.reason
+    unfused = dataclasses.replace(plan, recomputes=[])
+    gate = next(g for g in check_partitions(partitions, unfused, COMPUTE, HOST).gates if g.swap_in == swap_in.name)
+    assert not gate.gated and "is not among the executed ops" in gate.reason
+    for partition in partitions:  # the fused op without the trigger's edges: the copy can come back any time
+        for node in partition.node:
+            node.input[:] = [i for i in node.input if i != f"^{IMPORT_SCOPE}/{bias}"]
+    gate = next(g for g in check_partitions(partitions, plan, COMPUTE, HOST).gates if g.swap_in == swap_in.name)
+    assert not gate.gated and "does not depend on the trigger" in gate.reason
+
+
 @pytest.mark.parametrize("name", ["resnet50", "lstm"])
 def test_the_executor_runs_each_swap_in_after_its_trigger_and_each_consumer_after_its_swap_in(name):
     """From TensorFlow's profiler (every op the executor ran, on one clock): the gated swap-in on the

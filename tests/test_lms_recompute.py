@@ -87,6 +87,39 @@ def test_recompute_takes_the_tensors_idle_at_the_peak_and_stops_where_none_is():
     assert chosen.costs["lms/recompute_a_0/a"] == costs["a"]
 
 
+@pytest.mark.parametrize("mib_per_s, link_share, expected", [(4, 1.0, []), (4, 0.5, ["a:0"]), (1, 1.0, ["a:0"])])
+def test_recompute_takes_what_the_link_cannot_carry_off_in_time(mib_per_s, link_share, expected):
+    """The chain computes for 10 s and holds 24 MiB at t = 8 (the test above), 20 MiB at t = 7 and 9;
+    the budget is 16 MiB. By t = 8 a link of 4 MiB/s each way can have moved 32 MiB out, but only
+    8 MiB back in the 2 s left: swaps can have min(32, 8) = 8 MiB off then, the whole excess; at
+    t = 9, min(36, 4) = 4 MiB, again the whole excess; at t = 7, 12. Trusting the link for all of it
+    leaves recompute nothing. Trusted for half, 4 MiB at t = 8 are left to recompute, and a, the one
+    tensor idle then, is freed; the 2 MiB left at t = 9 go to the swaps (nothing is idle then). At
+    1 MiB/s the link has 2 MiB off at t = 8: 6 MiB are left, and a is again all recompute can free."""
+    from lms_core.link import LinkRates
+
+    g = chain_step()
+    rate = mib_per_s * MIB
+    link = LinkRates("test", h2d_bytes_per_s=rate, d2h_bytes_per_s=rate, source="test")
+    chosen = plan_recompute(g, {}, unit_costs(g), link, 16 * MIB, MIB, link_share=link_share)
+    assert [entry.tensor for entry in chosen.recomputes] == expected
+
+
+def test_freeing_a_tensor_costs_its_own_segment_and_the_ones_it_lengthens():
+    """With c freed (made again from b), freeing b too makes c's segment make b first: b's own
+    segment (from a) and one op more in c's. Freeing a lengthens nothing: c's segment reads b."""
+    from lms_core.recompute import RECOMPUTABLE_TYPES, freeing
+
+    g = chain_step()
+    costs = unit_costs(g)
+    freed = {"c:0": find_segment(g, "c:0", costs, MIB)}
+    with_b = freeing(g, costs, MIB, RECOMPUTABLE_TYPES, freed, "b:0")
+    assert {name: segment.ops for name, segment in with_b.items()} == {"b:0": ("b",), "c:0": ("b", "c")}
+    assert sum(segment.seconds for segment in with_b.values()) - freed["c:0"].seconds == 2.0
+    with_a = freeing(g, costs, MIB, RECOMPUTABLE_TYPES, freed, "a:0")
+    assert {name: segment.ops for name, segment in with_a.items()} == {"a:0": ("a",)}
+
+
 def test_the_planner_keeps_recompute_where_it_beats_the_link_and_not_where_it_is_not_allowed():
     """A link of 1 MB/s: a 4 MiB copy takes seconds each way; a ReLU made again takes one. Planned
     for 21 MiB, recomputing a (the test above) fits in 20 MiB and 16 bytes, at 11 s."""

@@ -63,13 +63,14 @@ def test_where_the_estimate_refuses_the_tuners_plan_a_plan_for_the_overshoot_les
     assert kept.report.tuning.endswith("kept that plan")
 
 
-# At 82.5 MB the plan for the first lowered budget is no better by the estimate (the same figure),
-# and the next budget down, lowered by that overshoot again, fits both.
+# At 82.5 MB, swapping alone, the plan for the first lowered budget is no better by the estimate (the
+# same figure), and the next budget down, lowered by that overshoot again, fits both. (With recompute
+# allowed, the re-plan recomputes and the estimate puts it lower: 64.88 MB against 90.42.)
 DEVICE_MEMORY_TWO_REPLANS = 82_500_000
 
 
 def test_a_replan_whose_estimate_is_no_lower_does_not_end_the_search(setup):
-    config = LMSConfig(enabled=True, mode="auto", min_tensor_bytes=4096)
+    config = LMSConfig(enabled=True, mode="auto", min_tensor_bytes=4096, actions=["swap"])
     memory = DEVICE_MEMORY_TWO_REPLANS
     at = dataclasses.replace(target(), device_memory_bytes=memory)
 

@@ -123,9 +123,12 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     ops were imported under `scope`."""
     graph = PartitionedGraph(partitions)
     report = GatingReport(compute_device, host_device)
+    # A swap-in's trigger may be a recompute's clone: each with the clones after it in its segment.
+    segment_from = {clone: entry.clones[position:] for entry in plan.recomputes
+                    for position, clone in enumerate(entry.clones)}
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
-            report.gates.append(graph.gate(swap_in, compute_device, scope))
+            report.gates.append(graph.gate(swap_in, compute_device, scope, segment_from.get(swap_in.trigger)))
     report.edges_kept, report.edges_checked, report.edges_broken = graph.honoured(plan.control_edges, scope)
     report.zeros_deferred, report.zeros_checked, report.zeros_early = graph.honoured(plan.deferred_zeros, scope)
     report.clones_gated, report.clones, report.clones_early = graph.clones_gated(plan.recomputes, scope)
@@ -163,8 +166,11 @@ class PartitionedGraph:
                 if not sent.startswith("^"):
                     self.recvs_of.setdefault(_op_name(sent), []).append(node.name)
 
-    def gate(self, swap_in, compute_device: str, scope: str) -> SwapInGate:
-        trigger = f"{scope}/{swap_in.trigger}"
+    def gate(self, swap_in, compute_device: str, scope: str, clones: list[str] | None = None) -> SwapInGate:
+        """The verdict on `swap_in`. Where its trigger is a recompute's clone (`clones`: it and the
+        later clones of its segment), the op that ran it is the trigger: itself, or the fused op the
+        remapper made of it (`fused_into`)."""
+        trigger = (self.fused_into(clones, scope) if clones else None) or f"{scope}/{swap_in.trigger}"
 
         def verdict(gated: bool, reason: str = "", recv: str | None = None) -> SwapInGate:
             return SwapInGate(swap_in.name, swap_in.trigger, gated, recv, reason)

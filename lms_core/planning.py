@@ -23,7 +23,7 @@ from lms_core.add_chains import plan_add_chains, with_add_chains
 from lms_core.config import LMSConfig
 from lms_core.costs import DeviceProfile, calibrated_costs, step_costs
 from lms_core.deferred_zeros import plan_deferred_zeros
-from lms_core.driver import Feedback, Proposal, best_of, overshoot_based, plan_until_it_fits, replayed
+from lms_core.driver import PEAK_TIE, Feedback, Proposal, best_of, overshoot_based, plan_until_it_fits, replayed
 from lms_core.fit import FitJudge, make_judge
 from lms_core.graph import BACKWARD, Graph, split_tensor
 from lms_core.link import LinkRates
@@ -219,8 +219,8 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
            compute_device: str, data_inputs: frozenset[str], device_budget: int, host_budget: int) -> list[_Base]:
     """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
     chooses for each of RECOMPUTE_AIMS (where recompute is allowed; the whole excess only, where
-    swapping is not). Where swaps take the rest, the recomputes may not raise the
-    swaps' floor over the budget or, where the step as traced is over it already, over that floor."""
+    swapping is not). Where swaps take the rest, the recomputes may not raise the swaps' floor over
+    the budget; where the step as traced is over it already, there are no recompute bases."""
     def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
         return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
 
@@ -231,7 +231,13 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
     bases = [_Base(graph, costs, judge_on(graph, costs), unlimited, target.link)] if swaps else []
     if "recompute" not in config.actions or not tunes(config, target):
         return bases
-    floor = FloorCheck(floor_of, max(device_budget, floor_of(graph, unlimited)[0])) if swaps else None
+    traced_floor = floor_of(graph, unlimited)[0] if swaps else 0
+    if traced_floor > device_budget * (1 + PEAK_TIE):
+        # No plan in the step's order holds less than its floor, and recompute lowers no floor (what
+        # it frees, a swap could have off then too): the access-order plans of recompute bases could
+        # not fit. Only the tuned distance plan, whose ops wait for copies, gets under it.
+        return bases
+    floor = FloorCheck(floor_of, max(device_budget, traced_floor)) if swaps else None
     excess, seen = max(0, unlimited.peak_device_bytes - device_budget), set()
     for aim in RECOMPUTE_AIMS if swaps else (RecomputeAim(),):
         chosen = plan_recompute(graph, config.settings(), costs, target.link,

@@ -138,6 +138,25 @@ def test_the_planner_keeps_recompute_where_it_beats_the_link_and_not_where_it_is
     assert not swaps.plan.recomputes and swaps.simulation.step_time_s > 11.0
 
 
+def test_no_recompute_base_is_planned_where_the_floor_is_over_the_budget():
+    """The chain's floor is 20 MiB, at t = 8: b and c still read, the seed, grad_c and grad_b's
+    output, none of which a swap moves or recompute frees. For 19 MiB no plan in the step's order
+    fits, recomputing a included (20 MiB and 16 bytes, the test above), so no recompute base is
+    planned: the plan swaps alone (the tuned distance plan, whose ops wait for copies)."""
+    from lms_core.costs import PROFILES
+    from lms_core.planning import Target, plan_graph, swap_floor
+
+    g = chain_step()
+    config = LMSConfig(enabled=True, mode="auto", min_tensor_bytes=MIB, memory_ratio=1.0)
+    slow = link_named(1.0e-3)
+    unswapped = simulate(g, Plan(settings=config.settings()), unit_costs(g), slow, keep_events=True)
+    assert swap_floor(g, unswapped, config, slow, "", frozenset())[0] == 20 * MIB
+    target = Target(slow, PROFILES["v100"], device_memory_bytes=19 * MIB, host_memory_bytes=1 << 30,
+                    measured_op_seconds=unit_costs(g))
+    planned = plan_graph(g, config, target=target)
+    assert not planned.plan.recomputes and "recompute" not in planned.report.tuning
+
+
 def test_actions_are_checked():
     with pytest.raises(SettingError, match=r"actions: must list one or both of swap, recompute; got \['keep'\]"):
         LMSConfig(actions=["keep"])

@@ -220,7 +220,8 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
     """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
     chooses for each of RECOMPUTE_AIMS (where recompute is allowed; the whole excess only, where
     swapping is not). Where swaps take the rest, the recomputes may not raise the swaps' floor over
-    the budget; where the step as traced is over it already, there are no recompute bases."""
+    the budget or, where the step as traced is over it already, over that floor; where that floor is
+    over the device memory itself, there are no recompute bases."""
     def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
         return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
 
@@ -232,10 +233,12 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
     if "recompute" not in config.actions or not tunes(config, target):
         return bases
     traced_floor = floor_of(graph, unlimited)[0] if swaps else 0
-    if traced_floor > device_budget * (1 + PEAK_TIE):
+    if traced_floor > target.device_memory_bytes * (1 + PEAK_TIE):
         # No plan in the step's order holds less than its floor, and recompute lowers no floor (what
-        # it frees, a swap could have off then too): the access-order plans of recompute bases could
-        # not fit. Only the tuned distance plan, whose ops wait for copies, gets under it.
+        # it frees, a swap could have off then too): over the device itself, the access-order plans
+        # of recompute bases could not run. Only the tuned distance plan, whose ops wait for copies,
+        # gets under a floor. (Between the budget and the device they are kept: over the budget, a
+        # recompute base's plan can still be the lowest, and fit where a judge allows the whole device.)
         return bases
     floor = FloorCheck(floor_of, max(device_budget, traced_floor)) if swaps else None
     excess, seen = max(0, unlimited.peak_device_bytes - device_budget), set()

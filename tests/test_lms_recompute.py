@@ -138,10 +138,10 @@ def test_the_planner_keeps_recompute_where_it_beats_the_link_and_not_where_it_is
     assert not swaps.plan.recomputes and swaps.simulation.step_time_s > 11.0
 
 
-def test_no_recompute_base_is_planned_where_the_floor_is_over_the_budget():
+def test_no_recompute_base_is_planned_where_the_floor_is_over_the_device():
     """The chain's floor is 20 MiB, at t = 8: b and c still read, the seed, grad_c and grad_b's
-    output, none of which a swap moves or recompute frees. For 19 MiB no plan in the step's order
-    fits, recomputing a included (20 MiB and 16 bytes, the test above), so no recompute base is
+    output, none of which a swap moves or recompute frees. On a 19 MiB device no plan in the step's
+    order runs, recomputing a included (20 MiB and 16 bytes, the test above), so no recompute base is
     planned: the plan swaps alone (the tuned distance plan, whose ops wait for copies)."""
     from lms_core.costs import PROFILES
     from lms_core.planning import Target, plan_graph, swap_floor

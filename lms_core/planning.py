@@ -207,10 +207,10 @@ class RecomputeAim:
 #: The recompute bases. Swaps the link hides cost nothing, recomputes always cost their time, so some
 #: excess is left to the swaps: on ResNet-50 at batch 256, v100 and pcie3 (simulated, 2026-11-27)
 #: recompute covering all of it ran +6%, half +1%, a quarter +1%, swapping alone +10%. Where the link
-#: cannot carry the excess in time, recompute takes what it cannot: at batch 1024 on an h100 and
-#: pcie5, 16 GiB, the link trusted for 80% of its rate ran +51%, for 40% +36%, for none +56% (a
-#: one-round prototype; the copies out also wait for their tensors to be made), the excess alone
-#: +89%; with these bases the plan runs +38% (simulated, 2026-11-27, benchmarks/recompute.py).
+#: cannot carry the excess in time, recompute takes what it cannot, the link trusted for less than
+#: its rate (its copies out also wait for their tensors to be made, its copies back for room): at
+#: batch 1024 on an h100 and pcie5, 16 GiB, the bases of the excess alone ran +89%, with these +38%
+#: (simulated, 2026-11-27, benchmarks/recompute.py).
 RECOMPUTE_AIMS = (RecomputeAim(0.0), RecomputeAim(0.5), RecomputeAim(0.75),
                   RecomputeAim(link_share=0.8), RecomputeAim(link_share=0.4))
 

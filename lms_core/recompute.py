@@ -223,13 +223,6 @@ def candidate_segments(graph: Graph, costs: dict[str, float], min_tensor_bytes: 
     return segments
 
 
-def idle_at(schedule_start: dict[str, float], schedule_end: dict[str, float], graph: Graph, segment: Segment,
-            moment: float) -> bool:
-    """Whether `segment`'s tensor could be off the device at `moment` of a simulated step."""
-    done, needed = idle_window(schedule_start, schedule_end, graph, segment)
-    return done <= moment < needed
-
-
 def idle_window(schedule_start: dict[str, float], schedule_end: dict[str, float], graph: Graph,
                 segment: Segment) -> tuple[float, float]:
     """When `segment`'s tensor could be off the device in a simulated step: from the end of its

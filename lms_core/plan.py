@@ -84,7 +84,13 @@ class Recompute:
     anchors: list[str]  # the tensors the clones read from outside the segment
     consumers: list[str]  # the backward ops rerouted to read the clone of `tensor`
     trigger: str  # the backward op every clone waits for
-    seconds: float  # the clones' time by the cost model the plan was made with
+    seconds: float  # the clones' time by the cost model the plan was made with (those it makes)
+    # clones among `clones` another entry makes, triggered no later: this entry reads them, makes none
+    shared: list[str] = field(default_factory=list)
+
+    def made(self) -> list[tuple[str, str]]:
+        """(op, clone) for the clones this entry makes itself, waiting for its trigger."""
+        return [(op, clone) for op, clone in zip(self.ops, self.clones) if clone not in self.shared]
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,7 @@ class Plan:
                         f"{sum(r.nbytes for r in self.reserved_lists) / 2**20:.1f} MiB left unset until filled")
         if self.recomputes:
             ordered += (f"; {len(self.recomputes)} tensor(s) of {self.recomputed_bytes / 2**20:.1f} MiB recomputed in "
-                        f"the backward pass ({sum(len(r.ops) for r in self.recomputes)} op(s) cloned)")
+                        f"the backward pass ({sum(len(r.made()) for r in self.recomputes)} op(s) cloned)")
         if not self.swaps:
             return (f"LMS plan: nothing to swap ({len(self.skipped)} candidate tensor(s) skipped; "
                     f"see 'skipped' for the reasons){ordered}")

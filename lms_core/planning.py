@@ -209,10 +209,12 @@ class RecomputeAim:
 #: recompute covering all of it ran +6%, half +1%, a quarter +1%, swapping alone +10%. Where the link
 #: cannot carry the excess in time, recompute takes what it cannot, the link trusted for less than
 #: its rate (its copies out also wait for their tensors to be made, its copies back for room): at
-#: batch 1024 on an h100 and pcie5, 16 GiB, the bases of the excess alone ran +89%, with these +38%
-#: (simulated, 2026-11-27, benchmarks/recompute.py).
+#: batch 1024 on an h100 and pcie5, 16 GiB, the bases of the excess alone ran +89%, with these +35%
+#: (simulated, 2026-11-28, benchmarks/recompute.py). The step is not smooth in the share (there, one
+#: base each: 0.4 +36%, 0.5 +35%, 0.55 +46%, 0.6 +49%, 0.8 +50%; `benchmarks/recompute.py
+#: --link-shares`), so three are planned and the simulator keeps the fastest.
 RECOMPUTE_AIMS = (RecomputeAim(0.0), RecomputeAim(0.5), RecomputeAim(0.75),
-                  RecomputeAim(link_share=0.8), RecomputeAim(link_share=0.4))
+                  RecomputeAim(link_share=0.8), RecomputeAim(link_share=0.5), RecomputeAim(link_share=0.4))
 
 
 def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: SimulationResult, target: Target,
@@ -246,13 +248,17 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
         chosen = plan_recompute(graph, config.settings(), costs, target.link,
                                 device_budget + int(aim.excess_left * excess), config.min_tensor_bytes,
                                 floor_check=floor, link_share=aim.link_share)
-        tensors = frozenset(entry.tensor for entry in chosen.recomputes)
-        if tensors in seen or (swaps and not tensors):
-            continue
-        seen.add(tensors)
-        replay = simulate(chosen.graph, Plan(settings=config.settings()), chosen.costs, target.link, keep_events=True)
-        bases.append(_Base(chosen.graph, chosen.costs, judge_on(chosen.graph, chosen.costs), replay, target.link,
-                           tuple(chosen.recomputes), swaps))
+        # Each set of recomputes as chosen and, where a clone could serve two segments, with it shared:
+        # sharing saves the clone's time and holds its result longer, which can cost the swaps more.
+        for variant in (chosen, chosen.sharing_clones(graph, costs)) if chosen.shares else (chosen,):
+            made = frozenset((entry.tensor, *entry.shared) for entry in variant.recomputes)
+            if made in seen or (swaps and not made):
+                continue
+            seen.add(made)
+            replay = simulate(variant.graph, Plan(settings=config.settings()), variant.costs, target.link,
+                              keep_events=True)
+            bases.append(_Base(variant.graph, variant.costs, judge_on(variant.graph, variant.costs), replay,
+                               target.link, tuple(variant.recomputes), swaps))
     return bases
 
 
@@ -298,9 +304,10 @@ def _options(base: _Base, config: LMSConfig, target: Target, compute_device: str
 def _recompute_text(base: _Base) -> str:
     """What the recomputes of `base` are, for the plan's tuning line."""
     seconds = sum(entry.seconds for entry in base.recomputes)
+    cloned = sum(len(entry.made()) for entry in base.recomputes)  # each clone once, by the segment making it
     return (f"recompute: {len(base.recomputes)} tensor(s) of "
             f"{format_bytes(sum(entry.nbytes for entry in base.recomputes))} made again in the backward pass "
-            f"({sum(len(entry.ops) for entry in base.recomputes)} op(s) cloned, {seconds * 1000:.0f} ms by the cost model)")
+            f"({cloned} op(s) cloned, {seconds * 1000:.0f} ms by the cost model)")
 
 
 def with_memory(planning: Planning, config: LMSConfig, compute_device: str, target: Target) -> Planning:

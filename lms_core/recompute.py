@@ -38,6 +38,14 @@ and simulated again. What recompute cannot cover is left to the swap strategies,
 rewritten step. Where swaps take the rest, the recomputes may not raise the floor no swap can go
 under (`within_floor`): those holding memory at the floor's moment are dropped.
 
+**Shared clones** (`room_to_share`, `entries_for`): two segments often clone the same op (a ReLU's
+segment and its convolution output's both make that convolution again). A segment may read the
+clone a segment triggered no later makes, instead of making it again, where the step has room to
+hold that clone's result until the later segment would have made it: the budget alone, since where
+the link could carry the excess the swaps' copies back use that room. Sharing saves compute and
+holds memory longer, which can cost the swaps more: the planner plans each set of recomputes both
+ways and keeps the faster (lms_core.planning).
+
 **What it can gain at the most** (`Relief`): every recomputable tensor's idle stretch and its
 producer's time per byte, from which lms_core.access_order.lower_bound_s bounds the step over both
 actions: at each moment the bytes that must be off the device are split between the link and the
@@ -45,7 +53,8 @@ compute queue where that is fastest.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+import dataclasses
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -78,8 +87,9 @@ NON_DATA_DTYPES = frozenset({"resource", "variant", "string"})
 
 def clone_name(tensor: str, op: str) -> str:
     """The name of `op`'s clone in the backward pass, in the segment that makes `tensor` again. Each
-    segment has clones of its own: a clone shared by two would wait for both triggers, and one of
-    them may run only after the other's readers."""
+    segment makes clones of its own, waiting for its own trigger, unless it reads those of a segment
+    triggered no later (`entries_for`): a clone waiting for two triggers would run only after the
+    later one, after the other segment's readers."""
     producer, index = split_tensor(tensor)
     return f"lms/recompute_{producer}_{index}/{op}"
 
@@ -177,10 +187,10 @@ def with_recomputes(graph: Graph, recomputes: list[Recompute]) -> Graph:
     rerouted: dict[tuple[str, str], str] = {}
     for entry in recomputes:
         clones = dict(zip(entry.ops, entry.clones))
-        for name in entry.ops:
+        for name, clone in entry.made():
             op = graph[name]
             inputs = [_cloned(source, clones) for source in op.inputs]
-            added.append(Op(clones[name], op.type, op.device, inputs, [entry.trigger], list(op.outputs)))
+            added.append(Op(clone, op.type, op.device, inputs, [entry.trigger], list(op.outputs)))
         for consumer in entry.consumers:
             rerouted[(consumer, entry.tensor)] = _cloned(entry.tensor, clones)
     ops = []
@@ -189,6 +199,82 @@ def with_recomputes(graph: Graph, recomputes: list[Recompute]) -> Graph:
         ops.append(Op(op.name, op.type, op.device, inputs, list(op.control_inputs), list(op.outputs)))
     rewritten = Graph(ops + added, graph.outputs)
     return analyze(rewritten) if graph.analyses else rewritten
+
+
+def entries_for(graph: Graph, costs: dict[str, float], freed: dict[str, Segment],
+                shares: frozenset[tuple[str, str]] = frozenset()) -> list[Recompute]:
+    """The freed tensors' entries, by their triggers' backward level. Where (tensor, op) is in
+    `shares`, the tensor's segment reads the clone of `op` that a segment triggered no later makes,
+    instead of making it again; its own clones that then feed nothing of it are not made."""
+    made: dict[str, str] = {}  # op -> the clone that makes it
+    entries = []
+    for segment in sorted(freed.values(), key=lambda s: (graph[s.trigger].level, s.tensor)):
+        entry = segment.entry()
+        reused = {op: made[op] for op in entry.ops if (entry.tensor, op) in shares and op in made}
+        if reused:
+            entry = _reading(graph, costs, entry, reused)
+        for op, clone in zip(entry.ops, entry.clones):
+            made.setdefault(op, clone)
+        entries.append(entry)
+    return entries
+
+
+def _reading(graph: Graph, costs: dict[str, float], entry: Recompute, reused: dict[str, str]) -> Recompute:
+    """`entry` reading the clones `reused` (op -> another entry's clone) instead of making them: its
+    ops are those its tensor still needs, its anchors what the clones it makes read from outside."""
+    needed = _needed(graph, split_tensor(entry.tensor)[0], set(entry.ops), set(reused))
+    own = dict(zip(entry.ops, entry.clones))
+    ops = [op for op in entry.ops if op in needed]
+    made = [op for op in ops if op not in reused]
+    anchors = [source for op in made for source in graph[op].inputs if split_tensor(source)[0] not in ops]
+    return dataclasses.replace(entry, ops=ops, clones=[reused.get(op, own[op]) for op in ops],
+                               shared=[reused[op] for op in ops if op in reused],
+                               anchors=list(dict.fromkeys(anchors)), seconds=sum(costs.get(op, 0.0) for op in made))
+
+
+def _needed(graph: Graph, producer: str, ops: set[str], shared: set[str]) -> set[str]:
+    """The ops of a segment that its tensor's producer needs, where `shared` ones are read, not made."""
+    needed, pending = set(), [producer]
+    while pending:
+        name = pending.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if name not in shared:
+            pending.extend(split_tensor(source)[0] for source in graph[name].inputs if split_tensor(source)[0] in ops)
+    return needed
+
+
+def room_to_share(graph: Graph, costs: dict[str, float], freed: dict[str, Segment], schedule,
+                  wanted: list[float]) -> frozenset[tuple[str, str]]:
+    """The (tensor, op) pairs whose segment may read another's clone of op: a segment triggered no
+    later makes it, and holding that clone until this segment's own would run fits at every moment
+    between (`wanted`, bytes over the aim per moment of `schedule`, a replay with no clone shared,
+    stays at or under 0). The costliest op first."""
+    left = list(wanted)
+    first: dict[str, str] = {}
+    pairs = []
+    for segment in sorted(freed.values(), key=lambda s: (graph[s.trigger].level, s.tensor)):
+        for op in segment.ops:
+            if op in first:
+                pairs.append((costs.get(op, 0.0), segment.tensor, op, first[op]))
+            else:
+                first[op] = segment.tensor
+    shares = set()
+    for _, tensor, op, owner in sorted(pairs, reverse=True):
+        held = clone_name(owner, op)
+        readers = [reader for index in range(len(graph[op].outputs))
+                   for reader, _ in schedule.graph.consumers(tensor_name(held, index))]
+        done = max((schedule.end.get(r, 0.0) for r in readers), default=schedule.end.get(held, 0.0))
+        needed = schedule.start.get(clone_name(tensor, op), 0.0)
+        nbytes = sum(info.nbytes or 0 for info in graph[op].outputs)
+        # At the instant its last reader ends the clone is in that instant's high already.
+        span = range(bisect_right(schedule.times, done), bisect_left(schedule.times, needed))
+        if all(left[i] + nbytes <= 0 for i in span):
+            shares.add((tensor, op))
+            for i in span:
+                left[i] += nbytes
+    return frozenset(shares)
 
 
 def clone_costs(costs: dict[str, float], recomputes: list[Recompute]) -> dict[str, float]:
@@ -245,6 +331,14 @@ class RecomputePlan:
     recomputes: list[Recompute]
     graph: Graph
     costs: dict[str, float]
+    segments: tuple[Segment, ...] = ()  # the freed tensors' segments
+    shares: frozenset[tuple[str, str]] = frozenset()  # (tensor, op): where a clone could be shared (not applied)
+
+    def sharing_clones(self, graph: Graph, costs: dict[str, float]) -> "RecomputePlan":
+        """This plan with its clones shared where `shares` has room (`graph`, `costs`: the step as
+        traced and its costs, which this plan was made on)."""
+        entries = entries_for(graph, costs, {segment.tensor: segment for segment in self.segments}, self.shares)
+        return RecomputePlan(entries, with_recomputes(graph, entries), clone_costs(costs, entries), self.segments)
 
 
 def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, budget_bytes: int,
@@ -277,13 +371,19 @@ def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, 
         if len(more) == len(freed):
             break  # nothing wanted, or nothing more recompute can free where it is: the rest is for the swaps
         freed = more
-        entries = [segment.entry() for segment in freed.values()]
+        entries = entries_for(graph, costs, freed)
         current, current_costs = with_recomputes(graph, entries), clone_costs(costs, entries)
     if floor_check is not None and freed:
         freed = within_floor(graph, settings, costs, link, freed, floor_check, floor, types)
-        entries = [segment.entry() for segment in freed.values()]
+        entries = entries_for(graph, costs, freed)
         current, current_costs = with_recomputes(graph, entries), clone_costs(costs, entries)
-    return RecomputePlan([segment.entry() for segment in freed.values()], current, current_costs)
+    shares = frozenset()
+    if freed:
+        # Room by the budget alone: where the link could carry the excess, the swaps' copies back use the room.
+        schedule = Schedule(current, simulate(current, Plan(settings=settings), current_costs, link, keep_events=True))
+        room = [usage - budget_bytes * (1 + PEAK_TIE) for usage in schedule.usage]
+        shares = room_to_share(graph, costs, freed, schedule, room)
+    return RecomputePlan(entries_for(graph, costs, freed), current, current_costs, tuple(freed.values()), shares)
 
 
 def _cover(graph: Graph, costs: dict[str, float], min_tensor_bytes: int, types: frozenset[str], schedule,
@@ -370,7 +470,7 @@ def within_floor(graph: Graph, settings: dict, costs: dict[str, float], link, fr
 
     best, best_floor = freed, None
     for _ in range(MAX_FLOOR_ROUNDS):
-        entries = [segment.entry() for segment in freed.values()]
+        entries = entries_for(graph, costs, freed)
         step = with_recomputes(graph, entries)
         unswapped = simulate(step, Plan(settings=settings), clone_costs(costs, entries), link, keep_events=True)
         floor, resident = floor_check.floor_of(step, unswapped)

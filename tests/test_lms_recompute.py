@@ -120,6 +120,63 @@ def test_freeing_a_tensor_costs_its_own_segment_and_the_ones_it_lengthens():
     assert {name: segment.ops for name, segment in with_a.items()} == {"a:0": ("a",)}
 
 
+def test_a_segment_reads_the_clone_that_a_segment_triggered_before_it_makes():
+    """With a, b and c all freed, c's segment makes a, b and c again (from x) just before grad_c;
+    b's makes a and b before grad_b, a's makes a before grad_a: six clones. Sharing, b's and a's
+    segments read c's clones instead: three clones, the step three seconds shorter, and a's segment
+    needs nothing of its own. Sharing a alone, b's segment still makes b, from c's clone of a."""
+    from lms_core.recompute import entries_for
+
+    g = chain_step()
+    costs = unit_costs(g)
+    freed = {"a:0": find_segment(g, "a:0", costs, MIB)}
+    freed["b:0"] = find_segment(g, "b:0", costs, MIB, freed=frozenset({"a:0"}))
+    freed["c:0"] = find_segment(g, "c:0", costs, MIB, freed=frozenset({"a:0", "b:0"}))
+    assert [freed[t].ops for t in ("a:0", "b:0", "c:0")] == [("a",), ("a", "b"), ("a", "b", "c")]
+    apart = entries_for(g, costs, freed)
+    shared = entries_for(g, costs, freed, frozenset({("a:0", "a"), ("b:0", "a"), ("b:0", "b")}))
+    by_tensor = {entry.tensor: entry for entry in shared}
+    assert by_tensor["b:0"].ops == ["b"] and by_tensor["b:0"].clones == ["lms/recompute_c_0/b"]
+    assert by_tensor["b:0"].made() == [] and by_tensor["b:0"].seconds == 0.0
+    assert by_tensor["a:0"].clones == ["lms/recompute_c_0/a"] and by_tensor["a:0"].made() == []
+    rewritten = with_recomputes(g, shared)
+    assert len(rewritten) == len(g) + 3
+    assert rewritten["gradient_tape/grad_b"].inputs == ["gradient_tape/grad_c:0", "lms/recompute_c_0/b:0"]
+    assert rewritten["gradient_tape/grad_a"].inputs == ["gradient_tape/grad_b:0", "lms/recompute_c_0/a:0"]
+    steps = [simulate(with_recomputes(g, entries), Plan(settings={}), unit_costs(with_recomputes(g, entries)), LINK)
+             for entries in (apart, shared)]
+    assert steps[0].step_time_s - steps[1].step_time_s == 3.0
+    only_a = {entry.tensor: entry for entry in entries_for(g, costs, freed, frozenset({("b:0", "a")}))}
+    assert only_a["b:0"].made() == [("b", "lms/recompute_b_0/b")] and only_a["b:0"].shared == ["lms/recompute_c_0/a"]
+    assert with_recomputes(g, list(only_a.values()))["lms/recompute_b_0/b"].inputs == ["lms/recompute_c_0/a:0"]
+
+
+@pytest.mark.parametrize("budget_mib, expected", [(28, {("b:0", "b")}), (27, set())])
+def test_a_clone_is_shared_only_where_the_step_has_room_to_hold_it_longer(budget_mib, expected):
+    """x -> a -> b -> c -> d: b freed, and d made again from a (its segment clones b, c and d just
+    before grad_d; c itself is kept for grad_c). b's own segment clones b just before grad_b, after
+    grad_c. Shared, d's clone of b is held on from the end of its last reader (d's clone of c, at
+    t = 10) to where b's own clone would start (t = 13): at t = 11 and 12, as grad_d and grad_c
+    start, the step holds 24 MiB (a, c, the seed's output, d's clone, and two gradients), 28 with
+    it. Room in a budget of 28 MiB, none in 27."""
+    from lms_core.access_order import Schedule
+    from lms_core.recompute import entries_for, room_to_share
+
+    g = chain_step("abcd")
+    costs = unit_costs(g)
+    freed = {"b:0": find_segment(g, "b:0", costs, MIB),
+             "d:0": find_segment(g, "d:0", costs, MIB, freed=frozenset({"b:0", "c:0"}))}
+    assert freed["d:0"].ops == ("b", "c", "d") and freed["b:0"].ops == ("b",)
+    step = with_recomputes(g, entries_for(g, costs, freed))
+    schedule = Schedule(step, simulate(step, Plan(settings={}), unit_costs(step), LINK, keep_events=True))
+    assert (schedule.end["lms/recompute_d_0/c"], schedule.start["lms/recompute_b_0/b"]) == (10.0, 13.0)
+    assert [usage // MIB for time, usage in zip(schedule.times, schedule.usage) if 10 < time < 13] == [24, 24]
+    wanted = [usage - budget_mib * MIB for usage in schedule.usage]
+    assert room_to_share(g, costs, freed, schedule, wanted) == expected
+    shared = with_recomputes(g, entries_for(g, costs, freed, frozenset({("b:0", "b")})))
+    assert simulate(shared, Plan(settings={}), unit_costs(shared), LINK).peak_device_bytes == 28 * MIB
+
+
 def test_the_planner_keeps_recompute_where_it_beats_the_link_and_not_where_it_is_not_allowed():
     """A link of 1 MB/s: a 4 MiB copy takes seconds each way; a ReLU made again takes one. Planned
     for 21 MiB, recomputing a (the test above) fits in 20 MiB and 16 bytes, at 11 s."""
@@ -197,7 +254,10 @@ def test_a_recomputed_keras_step_runs_every_clone_after_its_trigger_and_trains_t
     rewritten, setup, plain = recomputed_unet(device_mib=6)
     plan = rewritten.plan
     assert plan.recomputes and not plan.swaps
-    clones = sum(len(entry.clones) for entry in plan.recomputes)
+    # At 6 MiB the faster plan has segments reading clones a segment triggered earlier made (shared):
+    # each clone is counted once, with the segment that makes it and its trigger.
+    assert any(entry.shared for entry in plan.recomputes)
+    clones = len({clone for entry in plan.recomputes for clone in entry.clones})  # each once, however many read it
     batch = sample_inputs(setup.specs, COMPUTE)
     report = verify_gating(rewritten, *batch)
     assert (report.clones_gated, report.clones, report.clones_early) == (clones, clones, [])
@@ -342,7 +402,7 @@ def test_each_test_architecture_recomputed_is_gated_and_trains_bit_for_bit(name)
     rewritten = lms_tf.rewrite(step_b, *specs, config=config, compute_device=COMPUTE, host_device=HOST, target=target)
     plan = rewritten.plan
     assert plan.recomputes and not plan.swaps
-    clones = sum(len(entry.clones) for entry in plan.recomputes)
+    clones = len({clone for entry in plan.recomputes for clone in entry.clones})  # each once, however many read it
     report = verify_gating(rewritten, *batch)
     assert (report.clones_gated, report.clones, report.clones_early) == (clones, clones, []), \
         report.verification().first_failure()

@@ -125,7 +125,7 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     report = GatingReport(compute_device, host_device)
     # A swap-in's trigger may be a recompute's clone: each with the clones after it in its segment.
     segment_from = {clone: entry.clones[position:] for entry in plan.recomputes
-                    for position, clone in enumerate(entry.clones)}
+                    for position, clone in enumerate(entry.clones) if clone not in entry.shared}
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
             report.gates.append(graph.gate(swap_in, compute_device, scope, segment_from.get(swap_in.trigger)))
@@ -233,6 +233,8 @@ class PartitionedGraph:
         for entry in recomputes:
             trigger = f"{scope}/{entry.trigger}"
             for position, clone in enumerate(entry.clones):
+                if clone in entry.shared:
+                    continue  # checked with the entry that makes it, against that entry's trigger
                 count += 1
                 name = self.fused_into(entry.clones[position:], scope)
                 if name is None:

@@ -22,12 +22,12 @@ def apply_recomputes(nodes: dict[str, node_def_pb2.NodeDef], graph_def: graph_pb
     backward readers, in place."""
     for entry in recomputes:
         clones = dict(zip(entry.ops, entry.clones))
-        for name in entry.ops:
+        for name, clone in entry.made():
             # `add()` and a copy into it, not `append(node)`: append stores a copy, and the swaps and
             # edges applied after this must edit the node the GraphDef holds (a swap-in a clone
             # reads, planned on the step with the clones, was otherwise never read by it).
             node = graph_def.node.add()
-            node.CopyFrom(_clone(nodes[name], clones[name], clones, entry.trigger))
+            node.CopyFrom(_clone(nodes[name], clone, clones, entry.trigger))
             nodes[node.name] = node
         nodes[entry.trigger].attr[KEEP_ATTR].b = True
         original, clone = graphdef_ref(entry.tensor), graphdef_ref(_cloned(entry.tensor, clones))

@@ -221,9 +221,10 @@ def _bases(graph: Graph, config: LMSConfig, costs: dict[str, float], unlimited: 
            compute_device: str, data_inputs: frozenset[str], device_budget: int, host_budget: int) -> list[_Base]:
     """The step as traced (where swapping is allowed), and with the recomputes lms_core.recompute
     chooses for each of RECOMPUTE_AIMS (where recompute is allowed; the whole excess only, where
-    swapping is not). Where swaps take the rest, the recomputes may not raise the swaps' floor over
-    the budget or, where the step as traced is over it already, over that floor; where that floor is
-    over the device memory itself, there are no recompute bases."""
+    swapping is not), each also with its clones shared where the step has room (a base of its own:
+    sharing can cost the swaps more than it saves). Where swaps take the rest, the recomputes may not
+    raise the swaps' floor over the budget or, where the step as traced is over it already, over that
+    floor; where that floor is over the device memory itself, there are no recompute bases."""
     def judge_on(step: Graph, step_costs: dict[str, float]) -> FitJudge:
         return make_judge(config, compute_device, step, step_costs, target.link, device_budget, host_budget)
 

@@ -201,6 +201,11 @@ def with_recomputes(graph: Graph, recomputes: list[Recompute]) -> Graph:
     return analyze(rewritten) if graph.analyses else rewritten
 
 
+def by_trigger(graph: Graph, freed: dict[str, Segment]) -> list[Segment]:
+    """The freed tensors' segments in the order their clones run: by their trigger's backward level."""
+    return sorted(freed.values(), key=lambda segment: (graph[segment.trigger].level, segment.tensor))
+
+
 def entries_for(graph: Graph, costs: dict[str, float], freed: dict[str, Segment],
                 shares: frozenset[tuple[str, str]] = frozenset()) -> list[Recompute]:
     """The freed tensors' entries, by their triggers' backward level. Where (tensor, op) is in
@@ -208,7 +213,7 @@ def entries_for(graph: Graph, costs: dict[str, float], freed: dict[str, Segment]
     instead of making it again; its own clones that then feed nothing of it are not made."""
     made: dict[str, str] = {}  # op -> the clone that makes it
     entries = []
-    for segment in sorted(freed.values(), key=lambda s: (graph[s.trigger].level, s.tensor)):
+    for segment in by_trigger(graph, freed):
         entry = segment.entry()
         reused = {op: made[op] for op in entry.ops if (entry.tensor, op) in shares and op in made}
         if reused:
@@ -254,7 +259,7 @@ def room_to_share(graph: Graph, costs: dict[str, float], freed: dict[str, Segmen
     left = list(wanted)
     first: dict[str, str] = {}
     pairs = []
-    for segment in sorted(freed.values(), key=lambda s: (graph[s.trigger].level, s.tensor)):
+    for segment in by_trigger(graph, freed):
         for op in segment.ops:
             if op in first:
                 pairs.append((costs.get(op, 0.0), segment.tensor, op, first[op]))
@@ -380,7 +385,9 @@ def plan_recompute(graph: Graph, settings: dict, costs: dict[str, float], link, 
     shares = frozenset()
     if freed:
         # Room by the budget alone: where the link could carry the excess, the swaps' copies back use the room.
-        schedule = Schedule(current, simulate(current, Plan(settings=settings), current_costs, link, keep_events=True))
+        if schedule.graph is not current:  # the floor check or the last round changed the step
+            schedule = Schedule(current, simulate(current, Plan(settings=settings), current_costs, link,
+                                                  keep_events=True))
         room = [usage - budget_bytes * (1 + PEAK_TIE) for usage in schedule.usage]
         shares = room_to_share(graph, costs, freed, schedule, room)
     return RecomputePlan(entries_for(graph, costs, freed), current, current_costs, tuple(freed.values()), shares)

@@ -123,9 +123,11 @@ def check_partitions(partitions: list[graph_pb2.GraphDef], plan: Plan, compute_d
     ops were imported under `scope`."""
     graph = PartitionedGraph(partitions)
     report = GatingReport(compute_device, host_device)
-    # A swap-in's trigger may be a recompute's clone: each with the clones after it in its segment.
-    segment_from = {clone: entry.clones[position:] for entry in plan.recomputes
-                    for position, clone in enumerate(entry.clones) if clone not in entry.shared}
+    # A swap-in's trigger may be a recompute's clone: each with the clones its segment makes after it.
+    segment_from = {}
+    for entry in plan.recomputes:
+        made = [clone for _, clone in entry.made()]
+        segment_from.update({clone: made[position:] for position, clone in enumerate(made)})
     for swap in plan.swaps:
         for swap_in in swap.swap_ins:
             report.gates.append(graph.gate(swap_in, compute_device, scope, segment_from.get(swap_in.trigger)))
@@ -232,11 +234,10 @@ class PartitionedGraph:
         gated, count, early = 0, 0, []
         for entry in recomputes:
             trigger = f"{scope}/{entry.trigger}"
-            for position, clone in enumerate(entry.clones):
-                if clone in entry.shared:
-                    continue  # checked with the entry that makes it, against that entry's trigger
+            made = [clone for _, clone in entry.made()]  # a shared clone is checked with the entry making it
+            for position, clone in enumerate(made):
                 count += 1
-                name = self.fused_into(entry.clones[position:], scope)
+                name = self.fused_into(made[position:], scope)
                 if name is None:
                     early.append(f"{clone} is not among the executed ops")
                 elif trigger not in self.nodes:

@@ -17,7 +17,7 @@ lms_core.tf.apply applies the same entries to the GraphDef TensorFlow runs.
 """
 from __future__ import annotations
 
-from lms_core.graph import Graph, Op, TensorInfo, split_tensor
+from lms_core.graph import Graph, Op, TensorInfo, order_positions, split_tensor
 from lms_core.passes.pipeline import analyze
 from lms_core.plan import AddChain
 from lms_core.working_set import largest_working_set, working_set
@@ -50,7 +50,7 @@ def add_chain(graph: Graph, name: str) -> AddChain:
     """The chain for AddN `name`: its inputs in the order they are produced (a stable sort by the
     producer's place in the topological order, so each add runs as soon as its term exists)."""
     op = graph[name]
-    position = {op_name: index for index, op_name in enumerate(graph.order)}
+    position = order_positions(graph)
     inputs = sorted(op.inputs, key=lambda tensor: position[split_tensor(tensor)[0]])
     output = op.outputs[0]
     steps = [inputs[:2]] + [[None, tensor] for tensor in inputs[2:]]

@@ -182,3 +182,9 @@ def once_per_graph(derive: Callable[["Graph"], Derived]) -> Callable[["Graph"], 
         return results[graph]
 
     return cached
+
+
+@once_per_graph
+def order_positions(graph: Graph) -> dict[str, int]:
+    """Each op's place in `graph.order` (asked for per tensor by the planners: built once per graph)."""
+    return {name: position for position, name in enumerate(graph.order)}

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from lms_core.driver import PEAK_TIE
-from lms_core.graph import BACKWARD, FORWARD, Graph, Op, split_tensor, tensor_name
+from lms_core.graph import BACKWARD, FORWARD, Graph, Op, order_positions, split_tensor, tensor_name
 from lms_core.passes.pipeline import analyze
 from lms_core.plan import Recompute
 from lms_core.planner import NEVER_SWAPPED_TYPES, SHAPE_ONLY_TYPES, find_trigger
@@ -162,8 +162,7 @@ def find_segment(graph: Graph, tensor: str, costs: dict[str, float], min_tensor_
     trigger = find_trigger(graph, first, first.level - 1)
     if trigger is None:
         return f"no backward op runs before {first.name} to start it"
-    order = {name: position for position, name in enumerate(graph.order)}
-    ops.sort(key=order.__getitem__)
+    ops.sort(key=order_positions(graph).__getitem__)
     return Segment(tensor, graph.tensor(tensor).nbytes, tuple(ops), tuple(dict.fromkeys(anchors)),
                    tuple(op.name for op in readers), trigger.name, sum(costs.get(op, 0.0) for op in ops))
 

@@ -26,7 +26,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from lms_core.add_chains import with_add_chains
-from lms_core.graph import Graph, once_per_graph, split_tensor
+from lms_core.graph import Graph, once_per_graph, order_positions, split_tensor
 from lms_core.link import LinkRates
 from lms_core.plan import Plan
 from lms_core.reserved_lists import with_reserved_lists
@@ -89,7 +89,7 @@ class SimulationResult:
     swapped_bytes: int
     traffic_bytes: int  # moved over the link: each swap out, and each copy back
     forward_time_s: float  # when the loss was computed
-    device_by_level: list[tuple[int, int]] = field(default_factory=list)  # (level, max device bytes)
+    device_by_level: list[tuple[int, int]] = field(default_factory=list)  # (level, max device bytes); with keep_timeline
     d2h_busy: list[tuple[float, float]] = field(default_factory=list)  # copy intervals (start, end)
     h2d_busy: list[tuple[float, float]] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, device bytes) after each change
@@ -141,7 +141,7 @@ def step_structure(graph: Graph) -> StepStructure:
     # The output ops themselves wait, through control edges, for the whole step.
     loss_ops = frozenset(split_tensor(t)[0] for out in graph.outputs for t in graph[split_tensor(out)[0]].inputs)
     return StepStructure(
-        position={name: i for i, name in enumerate(graph.order)},
+        position=order_positions(graph),
         predecessor_count={name: len(set(graph.predecessors(graph[name])) & graph.ops.keys()) for name in graph.order},
         successors={name: tuple(dict.fromkeys(graph.successors(name))) for name in graph.order},
         outputs=outputs, readers=readers,
@@ -397,7 +397,8 @@ class _Replay:
         forward_end = step_time if self.forward_end is None else self.forward_end
         peak_device, timeline, at_peak = _peak(self.events, persistent_bytes, keep_timeline)
         peak_host, _, _ = _peak(self.host_events, 0, False)
-        by_level = _by_level(self.events, persistent_bytes, self.op_end_times)
+        # Per level only where asked for: the planners replay a step hundreds of times for its peak and time.
+        by_level = _by_level(self.events, persistent_bytes, self.op_end_times) if keep_timeline else []
         hidden = 1.0 if transfer == 0 else max(0.0, 1.0 - self.stall / transfer)
         return SimulationResult(
             peak_device_bytes=peak_device, peak_host_bytes=peak_host, step_time_s=step_time,

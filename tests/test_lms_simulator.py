@@ -68,7 +68,7 @@ def test_swapping_lowers_the_simulated_peak_and_levels_are_reported():
     baseline = simulate(g, Plan(settings={}), unit_costs(g), INFINITE)
     plan = plan_swaps(g, CHAIN_LMS)
     assert [s.tensor for s in plan.swaps] == ["a:0", "b:0"]  # c is read right after the forward pass
-    swapped = simulate(g, plan, unit_costs(g), INFINITE)
+    swapped = simulate(g, plan, unit_costs(g), INFINITE, keep_timeline=True)
     # When grad_b starts: a, b, c, seed and grad_c, and grad_b itself. Buffers freed at the instant
     # another is allocated still count (Grappler's trace does the same): 6 x 4 MiB.
     assert baseline.peak_device_bytes == 6 * 4 * MIB

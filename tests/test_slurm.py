@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -169,6 +170,29 @@ def test_srun_lines_and_reports_are_read():
                             spawn.RankExit(3, 3), spawn.RankExit(5, 3)]
     assert output.culprit().describe() == "rank 1 was ended by signal 9 (SIGKILL)"
     assert output.tail(1) == ["lms-launch worker on node2: 1 usable CPU"]
+
+
+@pytest.mark.parametrize("node_lost", [True, False])
+def test_a_rank_ended_by_slurms_stop_is_a_failure_only_where_a_node_was_lost(capsys, node_lost):
+    # Slurm stops a job whose node it declared lost (SIGTERM to the batch script): whether the rank left
+    # on node1 is stopped (143) or fails first depends on timing. Stopped after a lost node, the
+    # launcher still names the node and fails; stopped without one, the user asked for it.
+    output = spawn.RankOutput(single_rank=False, srun=True)
+    lines = ["srun: error: Node failure on node2"] if node_lost else []
+    for line in lines + ["srun: forcing job termination", "srun: error: node1: task 0: Terminated"]:
+        output.feed(line)
+    launch = types.SimpleNamespace(returncode=-signal.SIGTERM)
+    stop = types.SimpleNamespace(received=[signal.SIGTERM])
+    status = spawn._outcome(launch, ranks=None, output=output, signals=stop, killed_after_rank_exit=None)
+    err = capsys.readouterr().err
+    if node_lost:
+        assert status == spawn.EXIT_RANK_FAILED
+        assert err.splitlines()[:2] == [
+            "lms-launch: node node2 was lost (srun: Node failure on node2); its ranks ended with it",
+            "lms-launch: a rank failed: rank 0 was ended by signal 15 (SIGTERM)"]
+    else:
+        assert status == 128 + signal.SIGTERM
+        assert err == "lms-launch: the ranks stopped after SIGTERM\n"
 
 
 # --- a real Slurm ------------------------------------------------------------------------------------

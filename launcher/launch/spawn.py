@@ -424,8 +424,7 @@ def _outcome(process: subprocess.Popen, ranks: "RankProcesses", output: "RankOut
         return 0  # every rank finished (a stop asked for after training had no step left to stop at)
     if signals.received:
         status = 128 + signals.received[0]
-        failure = next((dataclasses.replace(e, raised=e.rank in output.raised) for e in output.exits
-                        if e.status not in STOP_TEARDOWN_STATUSES), None)
+        failure = _failure_after_signal(output, status)
         if failure is None:
             print(f"lms-launch: the ranks stopped after {signal.Signals(signals.received[0]).name}", file=sys.stderr)
             return status
@@ -435,6 +434,18 @@ def _outcome(process: subprocess.Popen, ranks: "RankProcesses", output: "RankOut
         failure = _first_failure(output, ranks, process.returncode)
     _report(failure, output, stopped_others=killed_after_rank_exit is not None)
     return EXIT_RANK_FAILED
+
+
+def _failure_after_signal(output: RankOutput, status: int) -> RankExit | None:
+    """The rank to blame after a signal to stop: one that ended otherwise than a stop ends ranks, or,
+    where srun reported a node lost, the first rank reported ended. Slurm stops a job whose node was
+    lost (SIGTERM to the batch script), and the ranks srun ended for it may have exited as stopped
+    ones do (143): the stop is then the node's doing, not the user's. None: the ranks just stopped."""
+    failure = next((dataclasses.replace(e, raised=e.rank in output.raised) for e in output.exits
+                    if e.status not in STOP_TEARDOWN_STATUSES), None)
+    if failure is None and output.lost_nodes:
+        return output.exits[0] if output.exits else RankExit(-1, status)
+    return failure
 
 
 def _shell_status(returncode: int) -> int:

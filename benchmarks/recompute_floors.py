@@ -6,7 +6,8 @@ unswapped peak alone, and with them kept within the floor (lms_core.recompute.wi
 The floor is the most the step's unswapped order holds at one moment with every swappable tensor off
 whenever it could be (lms_core.access_order.schedule_floor): no swap plan in that order peaks lower.
 Each step is traced on this machine's CPU and planned as a rank plans it (backward branches ordered,
-the budget lms.memory_ratio x 16 GiB); the figures are the simulator's, a model's.
+the budget lms.memory_ratio x 16 GiB); the figures are the simulator's, a model's. Below each
+traced floor are the largest tensors it holds at that moment: what a plan in this order cannot move.
 """
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def floors(recipe_name: str, overrides: list[str], device: str, link_name: str) 
 
     unswapped = simulate(graph, Plan(settings=config.settings()), costs, link, keep_events=True)
     traced_floor = floor_of(graph, unswapped)[0]
-    lines = [f"  as traced: floor {traced_floor / GIB:.2f} GiB (budget {budget / GIB:.2f} GiB)"]
+    lines = [f"  as traced: floor {traced_floor / GIB:.2f} GiB (budget {budget / GIB:.2f} GiB); "
+             f"its largest tensors then:"]
+    lines += held_at_the_floor(graph, unswapped, config, link, traced.data_inputs)
     within = FloorCheck(floor_of, max(budget, traced_floor))
     for label, check in (("at the peak alone", None), ("within the floor", within)):
         chosen = plan_recompute(graph, config.settings(), costs, link, budget, config.min_tensor_bytes,
@@ -66,6 +69,19 @@ def floors(recipe_name: str, overrides: list[str], device: str, link_name: str) 
                      f"{sum(e.nbytes for e in chosen.recomputes) / GIB:.2f} GiB; floor "
                      f"{floor_of(chosen.graph, replay)[0] / GIB:.2f} GiB")
     return lines
+
+
+def held_at_the_floor(graph, unswapped, config, link, data_inputs, top: int = 6) -> list[str]:
+    """The `top` largest buffers the step as traced holds at its floor's moment: what sets it."""
+    from lms_core.access_order import Schedule, find_candidates, held_at_floor
+    from lms_core.graph import split_tensor
+
+    schedule = Schedule(graph, unswapped)
+    candidates, _ = find_candidates(graph, config, schedule, link, "/device:GPU:0", data_inputs)
+    _, resident = held_at_floor(unswapped, schedule, candidates)
+    largest = sorted(((graph.tensor(buffer).nbytes or 0, buffer) for buffer in resident), reverse=True)[:top]
+    return [f"    {nbytes / GIB:6.2f} GiB  {graph[split_tensor(buffer)[0]].type:<14} {buffer}"
+            for nbytes, buffer in largest]
 
 
 def main() -> int:

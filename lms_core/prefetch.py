@@ -49,8 +49,8 @@ def fill_idle_link(graph: Graph, plan: Plan, simulation: SimulationResult, costs
         # Each move shifts the replay after it, which the room found for the later ones assumed
         # unmoved: of the prefixes of the moves (in the order the copies ran) that halve down to
         # one, the one whose replay is fastest within the limit is kept.
-        # Trials are replayed without memory events (their sorting is a sixth of a replay); the one
-        # kept is replayed with them, for the next pass.
+        # Trials are replayed without memory events (making and sorting them is nearly half of a
+        # replay: lms_core.pruning); the one kept is replayed with them, for the next pass.
         count, better = len(moved), None
         while count:
             trial = with_triggers(plan, dict(list(moved.items())[:count]), graph)

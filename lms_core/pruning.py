@@ -28,8 +28,9 @@ def drop_unneeded_swaps(graph: Graph, plan: Plan, simulation: SimulationResult, 
     limit = max(limit_bytes, simulation.peak_device_bytes)
 
     def replayed(without: set[str]) -> tuple[Plan, SimulationResult] | None:
-        # Without memory events: a trial needs its peak and step time only, and sorting a step's
-        # events is a sixth of a replay. The plan kept is replayed once more with them.
+        # Without memory events: a trial needs its peak and step time only, and making and sorting a
+        # step's events took nearly half of each trial (ResNet-50 at batch 1024: 7 s of trials a plan
+        # became 4). The plan kept is replayed once more with them.
         trial = dataclasses.replace(plan, swaps=[swap for swap in plan.swaps if swap.tensor not in without])
         try:
             replay = simulate(graph, trial, costs, link)

@@ -186,7 +186,7 @@ def simulate(graph: Graph, plan: Plan, costs: dict[str, float], link: LinkRates,
     """`graph` carries `category` and `level`; `plan` may have no swaps (the baseline).
     `persistent_bytes` is memory held throughout that no tensor of the graph stands for; variables
     need none, since the `ReadVariableOp` tensors that read them are counted, as Grappler does.
-    `keep_events` fills `executed` and `memory_events`. A plan's AddN chains (lms_core.add_chains)
+    `keep_events` fills `executed` and `memory_events`; `keep_timeline`, `timeline` and `device_by_level`. A plan's AddN chains (lms_core.add_chains)
     are replayed as their adds, and its unset zero lists (lms_core.reserved_lists) as filled by their
     loops; on a graph already rewritten with them, as it is."""
     graph = with_reserved_lists(with_add_chains(graph, plan.add_chains), plan.reserved_lists)
